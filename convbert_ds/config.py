@@ -1,0 +1,279 @@
+"""Typed model configuration, the paper's presets, and ELECTRA pretraining settings.
+
+Field names follow transformers' ``ConvBertConfig`` so a config.json from the
+hub maps one to one. Everything is validated when the object is built, and an
+error names the field, the bad value and a fix.
+
+Heads: ``num_attention_heads`` is the head count *before* the bottleneck, as in
+transformers. The model has ``n = num_attention_heads // head_ratio``
+self-attention heads and as many conv heads, each of size
+``d = hidden_size // n // 2`` (``hidden_size // num_attention_heads`` for
+``conv_type="none"``), i.e. the paper's Table 5 "Attention heads" is ``n``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+CONV_TYPES = ("sdconv", "dynamic", "conventional", "none")
+SDCONV_IMPLS = ("auto", "triton", "torch")
+HIDDEN_ACTS = ("gelu", "gelu_new", "relu", "silu", "tanh")
+OBJECTIVES = ("electra", "mlm")
+MAX_KERNEL_SIZE = 31
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and a fix."""
+
+
+def _fail(owner: str, name: str, value, problem: str, fix: str) -> None:
+    raise ConfigError(f"{owner}.{name}={value!r}: {problem}; {fix}")
+
+
+@dataclass
+class ModelConfig:
+    """One ConvBERT body (discriminator or generator)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 256
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 4
+    intermediate_size: int = 1024
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    embedding_size: int = 128
+    head_ratio: int = 2
+    conv_kernel_size: int = 9
+    num_groups: int = 1
+    # Ablations of the paper's Table 2: span-based dynamic conv (ConvBERT),
+    # dynamic conv with the kernel from the query alone, a conventional
+    # depthwise-separable conv, or no conv heads at all (BERT/ELECTRA).
+    conv_type: str = "sdconv"
+    sdconv_impl: str = "auto"
+    # transformers lets padded values leak into the conv window of real tokens;
+    # parity needs that, so masking them is opt-in.
+    sdconv_mask_padding: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def num_heads(self) -> int:
+        """Self-attention heads after the bottleneck (= conv heads when there is a conv branch)."""
+        return self.num_attention_heads // self.head_ratio
+
+    @property
+    def head_dim(self) -> int:
+        if self.conv_type == "none":
+            return self.hidden_size // self.num_attention_heads
+        return self.hidden_size // self.num_heads // 2
+
+    @property
+    def attention_width(self) -> int:
+        """Width A of the self-attention branch (and of the conv branch)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def has_conv(self) -> bool:
+        return self.conv_type != "none"
+
+    def validate(self) -> None:
+        own = type(self).__name__
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "max_position_embeddings", "type_vocab_size", "embedding_size", "head_ratio",
+                     "conv_kernel_size", "num_groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(own, name, value, "must be a positive integer", "set a value >= 1")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                _fail(own, name, value, "must be a probability in [0, 1)", "use e.g. 0.1")
+        if self.hidden_act not in HIDDEN_ACTS:
+            _fail(own, "hidden_act", self.hidden_act, "unknown activation", f"use one of {HIDDEN_ACTS}")
+        if self.conv_type not in CONV_TYPES:
+            _fail(own, "conv_type", self.conv_type, "unknown conv type", f"use one of {CONV_TYPES}")
+        if self.sdconv_impl not in SDCONV_IMPLS:
+            _fail(own, "sdconv_impl", self.sdconv_impl, "unknown implementation", f"use one of {SDCONV_IMPLS}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            _fail(own, "pad_token_id", self.pad_token_id, f"must be a token id in [0, vocab_size={self.vocab_size})",
+                  "use the tokenizer's [PAD] id (0 for tokenizers built by preprocessing.tokenizer)")
+        if self.hidden_size % self.num_attention_heads:
+            _fail(own, "num_attention_heads", self.num_attention_heads,
+                  f"hidden_size={self.hidden_size} is not divisible by it", "pick a divisor of hidden_size")
+        if self.num_attention_heads < self.head_ratio:
+            _fail(own, "num_attention_heads", self.num_attention_heads,
+                  f"is smaller than head_ratio={self.head_ratio}, which would leave no attention head",
+                  f"use at least {self.head_ratio} heads or lower head_ratio")
+        if self.num_attention_heads % self.head_ratio:
+            _fail(own, "head_ratio", self.head_ratio,
+                  f"does not divide num_attention_heads={self.num_attention_heads}",
+                  "pick a head_ratio that divides the head count (2 in the paper, 1 disables the bottleneck)")
+        if self.has_conv and self.hidden_size % (2 * self.num_heads):
+            _fail(own, "hidden_size", self.hidden_size,
+                  f"must split into 2 x {self.num_heads} heads (self-attention + conv)",
+                  f"use a multiple of {2 * self.num_heads}")
+        if self.conv_kernel_size % 2 == 0 or self.conv_kernel_size > MAX_KERNEL_SIZE:
+            _fail(own, "conv_kernel_size", self.conv_kernel_size,
+                  f"must be odd and at most {MAX_KERNEL_SIZE} (the convolution is centred on each token)",
+                  "use 9 as in the paper")
+        for name in ("hidden_size", "intermediate_size"):
+            if getattr(self, name) % self.num_groups:
+                _fail(own, "num_groups", self.num_groups, f"does not divide {name}={getattr(self, name)}",
+                      "pick a group count that divides both hidden_size and intermediate_size")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{cls.__name__}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # transformers' ConvBertConfig has no conv_type/sdconv_impl; only "sdconv" bodies are representable there.
+    _HF_ONLY_OURS = ("conv_type", "sdconv_impl", "sdconv_mask_padding")
+
+    def to_hf_dict(self, architectures: list[str]) -> dict:
+        if self.conv_type != "sdconv":
+            raise ConfigError(f"ModelConfig.conv_type={self.conv_type!r}: transformers' ConvBERT only has span-based "
+                              "dynamic convolution; only conv_type='sdconv' models can be exported")
+        hf = {k: v for k, v in self.to_dict().items() if k not in self._HF_ONLY_OURS}
+        hf.update(model_type="convbert", architectures=architectures, tie_word_embeddings=True)
+        return hf
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict, **overrides) -> "ModelConfig":
+        if hf.get("model_type") != "convbert":
+            raise ConfigError(f"config.json has model_type={hf.get('model_type')!r}; expected 'convbert'")
+        known = {f.name for f in fields(cls)} - set(cls._HF_ONLY_OURS)
+        values = {k: hf[k] for k in known if k in hf}
+        if "pad_token_id" not in hf or hf["pad_token_id"] is None:
+            values["pad_token_id"] = 1  # transformers' ConvBertConfig default
+        values.update(overrides)
+        return cls(**values)
+
+
+def _round_heads(heads: float, head_ratio: int) -> int:
+    """Scale a head count down for the generator, keeping at least one head after the bottleneck."""
+    return max(head_ratio, int(round(heads / head_ratio)) * head_ratio)
+
+
+def generator_config(discriminator: ModelConfig, size_multiplier: float) -> ModelConfig:
+    """ELECTRA generator: same depth and embeddings, hidden/FFN/heads scaled by ``size_multiplier``.
+
+    Tiny generators (e.g. 1/4 of ConvBERT-small's 4 heads = 1 head) would have
+    fewer heads than head_ratio; we keep ``head_ratio`` heads, i.e. one
+    attention and one conv head, which is also what transformers falls back to.
+    """
+    hidden = int(round(discriminator.hidden_size * size_multiplier))
+    heads = _round_heads(discriminator.num_attention_heads * size_multiplier, discriminator.head_ratio)
+    return discriminator.replace(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        intermediate_size=int(round(discriminator.intermediate_size * size_multiplier)),
+    )
+
+
+# The ConvBERT paper, Table 5 (pre-training hyper-parameters) and Table 1 (groups).
+# num_attention_heads is transformers' pre-bottleneck count: Table 5's heads x head_ratio.
+_PRESETS: dict[str, tuple[dict, float]] = {
+    "small": (dict(hidden_size=256, num_attention_heads=4, intermediate_size=1024, embedding_size=128,
+                   num_groups=1), 1 / 4),
+    "medium-small": (dict(hidden_size=384, num_attention_heads=8, intermediate_size=1536, embedding_size=128,
+                          num_groups=2), 1 / 4),
+    "base": (dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, embedding_size=768,
+                  num_groups=1), 1 / 3),
+    # Not from the paper: a few-MB model for tests, the quickstart and CPU smoke runs.
+    "tiny": (dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                  embedding_size=64, max_position_embeddings=128), 1 / 4),
+}
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """The discriminator (main model) config of a named preset: small, medium-small, base (or tiny)."""
+    if name not in _PRESETS:
+        raise ConfigError(f"preset {name!r} is unknown; use one of {PRESET_NAMES}")
+    values, _ = _PRESETS[name]
+    return ModelConfig(**{**dict(num_hidden_layers=12, conv_kernel_size=9, head_ratio=2), **values, **overrides})
+
+
+def preset_generator_multiplier(name: str) -> float:
+    if name not in _PRESETS:
+        raise ConfigError(f"preset {name!r} is unknown; use one of {PRESET_NAMES}")
+    return _PRESETS[name][1]
+
+
+@dataclass
+class ElectraConfig:
+    """Replaced-token-detection pretraining (ELECTRA, as the ConvBERT paper used it).
+
+    Token ids default to the layout ``preprocessing.tokenizer`` writes:
+    [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4.
+    """
+
+    discriminator: ModelConfig = field(default_factory=lambda: preset("small"))
+    generator: ModelConfig | None = None
+    objective: str = "electra"
+    mask_prob: float = 0.15
+    mask_token_prob: float = 0.85  # of the masked positions; the rest keep their token
+    rtd_weight: float = 50.0
+    temperature: float = 1.0
+    mask_token_id: int = 4
+    special_token_ids: tuple[int, ...] = (0, 2, 3)  # never masked: [PAD], [CLS], [SEP]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.discriminator, dict):
+            self.discriminator = ModelConfig.from_dict(self.discriminator)
+        if isinstance(self.generator, dict):
+            self.generator = ModelConfig.from_dict(self.generator)
+        self.special_token_ids = tuple(self.special_token_ids)
+        self.validate()
+
+    def validate(self) -> None:
+        own = "ElectraConfig"
+        if self.objective not in OBJECTIVES:
+            _fail(own, "objective", self.objective, "unknown objective", f"use one of {OBJECTIVES}")
+        if self.objective == "electra" and self.generator is None:
+            _fail(own, "generator", None, "the electra objective needs a generator",
+                  "use ElectraConfig.from_preset(...) or generator_config(discriminator, 1/4)")
+        for name in ("mask_prob", "mask_token_prob"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                _fail(own, name, value, "must be in (0, 1]", "use 0.15 / 0.85 as in ELECTRA")
+        if self.rtd_weight < 0 or self.temperature <= 0:
+            _fail(own, "rtd_weight/temperature", (self.rtd_weight, self.temperature), "must be >= 0 / > 0",
+                  "use 50.0 and 1.0 as in ELECTRA")
+        disc = self.discriminator
+        if not 0 <= self.mask_token_id < disc.vocab_size:
+            _fail(own, "mask_token_id", self.mask_token_id, f"is outside the vocabulary (size {disc.vocab_size})",
+                  "use the tokenizer's [MASK] id")
+        if self.generator is not None:
+            for name in ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size",
+                         "pad_token_id"):
+                if getattr(self.generator, name) != getattr(disc, name):
+                    _fail(own, f"generator.{name}", getattr(self.generator, name),
+                          f"differs from discriminator.{name}={getattr(disc, name)} but the embeddings are shared",
+                          "make them equal")
+
+    @classmethod
+    def from_preset(cls, name: str, generator_multiplier: float | None = None, **model_overrides) -> "ElectraConfig":
+        disc = preset(name, **model_overrides)
+        mult = preset_generator_multiplier(name) if generator_multiplier is None else generator_multiplier
+        return cls(discriminator=disc, generator=generator_config(disc, mult))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

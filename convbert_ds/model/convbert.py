@@ -1,0 +1,166 @@
+"""ConvBERT models: the body, the generator (masked LM) and the discriminator (RTD).
+
+``ConvBertModel`` and ``ConvBertForMaskedLM`` compute the same functions as
+transformers' classes of the same names and share their parameter names, so
+``from_hf_pretrained`` / ``save_hf_pretrained`` move weights without renaming.
+``ConvBertForPreTraining`` adds ELECTRA's replaced-token-detection head
+(``discriminator_predictions.dense`` / ``.dense_prediction``, ELECTRA's names).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from convbert_ds.config import ModelConfig
+from convbert_ds.model import hf_io
+from convbert_ds.model.layers import ConvBertEmbeddings, ConvBertLayer, activation, init_weights
+
+
+class InputError(ValueError):
+    """Model inputs that the model cannot take (ids out of range, too long, wrong shape)."""
+
+
+def check_inputs(config: ModelConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 token_type_ids: torch.Tensor | None) -> None:
+    """Reject bad inputs with a message, before they become an index error deep inside torch."""
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        raise InputError(f"input_ids must be an integer tensor [batch, seq_len], got {input_ids.dtype} "
+                         f"{tuple(input_ids.shape)}")
+    seq_len = input_ids.shape[1]
+    if seq_len > config.max_position_embeddings:
+        raise InputError(f"sequence length {seq_len} exceeds max_position_embeddings="
+                         f"{config.max_position_embeddings}; truncate the inputs or use a longer-context model")
+    for name, mask in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+        if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
+            raise InputError(f"{name} has shape {tuple(mask.shape)}, expected {tuple(input_ids.shape)} "
+                             "like input_ids")
+    if input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= config.vocab_size:
+            raise InputError(f"input_ids contain id {high if high >= config.vocab_size else low}, outside "
+                             f"[0, vocab_size={config.vocab_size}); the tokenizer and the model config disagree")
+    if token_type_ids is not None and token_type_ids.numel() and int(token_type_ids.max()) >= config.type_vocab_size:
+        raise InputError(f"token_type_ids contain {int(token_type_ids.max())}, but type_vocab_size="
+                         f"{config.type_vocab_size}")
+
+
+class HFInterop:
+    """``from_hf_pretrained`` / ``save_hf_pretrained`` for classes that declare their transformers twin."""
+
+    hf_architecture: str
+    hf_prefix: str
+
+    @classmethod
+    def from_hf_pretrained(cls, directory, **config_overrides):
+        """Load a transformers ConvBERT directory (config.json + safetensors/bin), offline."""
+        model = cls(hf_io.read_config(directory, **config_overrides))
+        hf_io.load_weights(model, directory, prefix=cls.hf_prefix)
+        return model
+
+    def save_hf_pretrained(self, directory, extra_files: dict[str, bytes] | None = None) -> None:
+        """Write a directory transformers loads with ``from_pretrained`` (atomic: temp dir + rename)."""
+        hf_io.save(self, directory, self.hf_architecture, extra_files)
+
+
+class ConvBertModel(HFInterop, nn.Module):
+    """The ConvBERT encoder. ``forward`` returns the last hidden state ``[B, T, H]``.
+
+    ``embeddings`` lets an ELECTRA generator share the discriminator's tables.
+    """
+
+    hf_architecture = "ConvBertModel"
+    hf_prefix = ""
+
+    def __init__(self, config: ModelConfig, embeddings: ConvBertEmbeddings | None = None):
+        super().__init__()
+        self.config = config
+        self.embeddings = embeddings if embeddings is not None else ConvBertEmbeddings(config)
+        if config.embedding_size != config.hidden_size:
+            self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size)
+        self.encoder = nn.Module()
+        self.encoder.layer = nn.ModuleList(ConvBertLayer(config) for _ in range(config.num_hidden_layers))
+        # Shared embeddings were initialised by their owner; re-drawing them here would change its weights.
+        for name, module in self.named_modules():
+            if embeddings is None or not name.startswith("embeddings."):
+                init_weights(module, config.initializer_range)
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embeddings(input_ids, token_type_ids)
+        if hasattr(self, "embeddings_project"):
+            hidden = self.embeddings_project(hidden)
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+        if check:
+            check_inputs(self.config, input_ids, attention_mask, token_type_ids)
+        hidden = self.embed(input_ids, token_type_ids)
+        for layer in self.encoder.layer:
+            hidden = layer(hidden, attention_mask)
+        return hidden
+
+
+class ConvBertGeneratorPredictions(nn.Module):
+    """MLM transform: hidden -> embedding width, GELU, LayerNorm (transformers always uses exact GELU here)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.embedding_size)
+        self.LayerNorm = nn.LayerNorm(config.embedding_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(nn.functional.gelu(self.dense(hidden_states)))
+
+
+class ConvBertForMaskedLM(HFInterop, nn.Module):
+    """Body + MLM head whose output matrix is the word-embedding table (tied). Returns logits ``[B, T, V]``."""
+
+    hf_architecture = "ConvBertForMaskedLM"
+    hf_prefix = "convbert."
+
+    def __init__(self, config: ModelConfig, embeddings: ConvBertEmbeddings | None = None):
+        super().__init__()
+        self.config = config
+        self.convbert = ConvBertModel(config, embeddings)
+        self.generator_predictions = ConvBertGeneratorPredictions(config)
+        self.generator_lm_head = nn.Linear(config.embedding_size, config.vocab_size)
+        init_weights(self.generator_predictions.dense, config.initializer_range)
+        self.generator_lm_head.bias.data.zero_()
+        self.generator_lm_head.weight = self.convbert.embeddings.word_embeddings.weight
+
+    def head(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits for any subset of positions' hidden states ``[..., H]`` -> ``[..., V]``."""
+        return self.generator_lm_head(self.generator_predictions(hidden_states))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.convbert(input_ids, attention_mask, token_type_ids))
+
+
+class ConvBertDiscriminatorPredictions(nn.Module):
+    """ELECTRA's RTD head: dense, activation, one logit per token (named as in transformers' ELECTRA)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = activation(config.hidden_act)
+        self.dense_prediction = nn.Linear(config.hidden_size, 1)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.dense_prediction(self.act(self.dense(hidden_states))).squeeze(-1)
+
+
+class ConvBertForPreTraining(nn.Module):
+    """Discriminator: body + RTD head. Returns one replaced-token logit per position ``[B, T]``."""
+
+    def __init__(self, config: ModelConfig, embeddings: ConvBertEmbeddings | None = None):
+        super().__init__()
+        self.config = config
+        self.convbert = ConvBertModel(config, embeddings)
+        self.discriminator_predictions = ConvBertDiscriminatorPredictions(config)
+        self.discriminator_predictions.apply(lambda m: init_weights(m, config.initializer_range))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.discriminator_predictions(self.convbert(input_ids, attention_mask, token_type_ids))

@@ -1,0 +1,122 @@
+"""Reading and writing transformers ConvBERT directories (offline, safetensors).
+
+Our modules carry transformers' parameter names, so moving weights is a
+matter of prefixes: ``ConvBertForMaskedLM`` files prefix the body with
+``convbert.``; a body can be loaded out of a masked-LM file (the head is then
+ignored). Every mismatch is reported by tensor name, with both shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from convbert_ds.config import ConfigError, ModelConfig
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# Buffers transformers may write that carry no weights.
+_IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids")
+_BODY_PREFIX = "convbert."
+
+
+class WeightsError(ValueError):
+    """A weights file does not fit the model: missing/unexpected tensors or shape mismatches."""
+
+
+def read_config(directory, **overrides) -> ModelConfig:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not a transformers model directory")
+    with open(path) as f:
+        return ModelConfig.from_hf_dict(json.load(f), **overrides)
+
+
+def read_weights(directory) -> dict[str, torch.Tensor]:
+    directory = Path(directory)
+    for name in WEIGHT_FILES:
+        path = directory / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                return load_file(path)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no weights in {directory}: expected one of {WEIGHT_FILES}")
+
+
+def _normalise(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Map a file's names onto a model whose body prefix is ``prefix`` ("" for a bare body)."""
+    weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED)}
+    if prefix == "" and any(k.startswith(_BODY_PREFIX) for k in weights):
+        # A body loaded out of a model with heads: keep the body, drop the heads.
+        return {k[len(_BODY_PREFIX):]: v for k, v in weights.items() if k.startswith(_BODY_PREFIX)}
+    return weights
+
+
+def load_weights(model: torch.nn.Module, directory, prefix: str) -> None:
+    weights = _normalise(read_weights(directory), prefix)
+    expected = model.state_dict()
+    tied_head = "generator_lm_head.weight"
+    if tied_head in expected and tied_head not in weights:
+        weights[tied_head] = weights.get(f"{_BODY_PREFIX}embeddings.word_embeddings.weight")
+    if tied_head in weights and weights[tied_head] is not None:
+        table = weights.get(f"{_BODY_PREFIX}embeddings.word_embeddings.weight")
+        if table is not None and not torch.equal(weights[tied_head], table):
+            raise WeightsError(f"{directory}: {tied_head} differs from the word embeddings; only tied "
+                               "LM heads (tie_word_embeddings=true) are supported")
+    missing = sorted(k for k in expected if weights.get(k) is None)
+    unexpected = sorted(k for k in weights if k not in expected)
+    if missing or unexpected:
+        raise WeightsError(f"{directory}: weights do not match the config: missing {missing[:10]}"
+                           f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
+                           f"{' ...' if len(unexpected) > 10 else ''}")
+    for name, tensor in expected.items():
+        if tuple(weights[name].shape) != tuple(tensor.shape):
+            raise WeightsError(f"{directory}: tensor {name} has shape {tuple(weights[name].shape)} in the file "
+                               f"but {tuple(tensor.shape)} in the model built from config.json")
+    model.load_state_dict({k: weights[k] for k in expected}, strict=True)
+
+
+def _unshared_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies; tied tensors are written once per name, as transformers expects."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+
+
+def write_atomically(directory, fill) -> Path:
+    """Create ``directory`` by calling ``fill(tmp_dir)`` then renaming, so a crash never leaves half a model."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        fill(tmp)
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def save(model: torch.nn.Module, directory, architecture: str, extra_files: dict[str, bytes] | None = None) -> Path:
+    config = model.config
+    if not isinstance(config, ModelConfig):
+        raise ConfigError(f"cannot save {type(model).__name__}: it has no ModelConfig")
+    hf_config = config.to_hf_dict([architecture])
+    hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+
+    def fill(tmp: Path) -> None:
+        save_file(_unshared_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+
+    return write_atomically(directory, fill)

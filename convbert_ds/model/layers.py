@@ -1,0 +1,225 @@
+"""ConvBERT building blocks, named exactly as transformers names them.
+
+Module and parameter names match ``transformers.ConvBertModel`` one to one, so
+a transformers state dict loads without any renaming. The computation is the
+same function, written for speed: self-attention goes through
+``scaled_dot_product_attention`` and the dynamic convolution through
+``convbert_ds.model.sdconv`` (no K-times unfold copy).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from convbert_ds.config import ModelConfig
+from convbert_ds.model.sdconv import dynamic_conv
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "tanh": torch.tanh,
+}
+
+
+def activation(name: str):
+    return _ACTIVATIONS[name]
+
+
+class ConvBertEmbeddings(nn.Module):
+    """Word + position + token-type embeddings, LayerNorm, dropout (width ``embedding_size``)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.embedding_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.embedding_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.embedding_size)
+        self.LayerNorm = nn.LayerNorm(config.embedding_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        seq_len = input_ids.shape[1]
+        position_ids = torch.arange(seq_len, device=input_ids.device)
+        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        if token_type_ids is None:
+            embeddings = embeddings + self.token_type_embeddings.weight[0]
+        else:
+            embeddings = embeddings + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.LayerNorm(embeddings))
+
+
+class SeparableConv1D(nn.Module):
+    """Depthwise conv over time (``same`` padding) then a pointwise projection, one shared bias."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int):
+        super().__init__()
+        self.depthwise = nn.Conv1d(in_channels, in_channels, kernel_size, groups=in_channels,
+                                   padding=kernel_size // 2, bias=False)
+        self.pointwise = nn.Conv1d(in_channels, out_channels, kernel_size=1, bias=False)
+        self.bias = nn.Parameter(torch.zeros(out_channels, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[B, T, C_in]`` -> ``[B, T, C_out]``."""
+        y = self.pointwise(self.depthwise(x.transpose(1, 2))) + self.bias
+        return y.transpose(1, 2)
+
+
+class ConvBertSelfAttention(nn.Module):
+    """Mixed attention: ``n`` self-attention heads and ``n`` conv heads sharing the query.
+
+    Output: ``cat([self_attention_heads, conv_heads], -1)``, width ``2A``
+    (``A`` without conv heads).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        hidden, width = config.hidden_size, config.attention_width
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.kernel_size = config.conv_kernel_size
+        self.dropout_p = config.attention_probs_dropout_prob
+        self.query = nn.Linear(hidden, width)
+        self.key = nn.Linear(hidden, width)
+        self.value = nn.Linear(hidden, width)
+        if config.conv_type in ("sdconv", "conventional"):
+            self.key_conv_attn_layer = SeparableConv1D(hidden, width, config.conv_kernel_size)
+        if config.conv_type in ("sdconv", "dynamic"):
+            self.conv_kernel_layer = nn.Linear(width, self.num_heads * self.kernel_size)
+            self.conv_out_layer = nn.Linear(hidden, width)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        return x.view(batch, seq_len, self.num_heads, self.head_dim)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden_states`` ``[B, T, H]``; ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding) or None."""
+        batch, seq_len, _ = hidden_states.shape
+        query = self.query(hidden_states)
+        sdpa_mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        context = F.scaled_dot_product_attention(
+            self._heads(query).transpose(1, 2),
+            self._heads(self.key(hidden_states)).transpose(1, 2),
+            self._heads(self.value(hidden_states)).transpose(1, 2),
+            attn_mask=sdpa_mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+        ).transpose(1, 2).reshape(batch, seq_len, -1)
+        conv_type = self.config.conv_type
+        if conv_type == "none":
+            return context
+        if conv_type == "conventional":
+            conv = self.key_conv_attn_layer(hidden_states)
+        else:
+            # The unscaled query gates the span-aware key (sdconv) or alone makes the kernel (dynamic).
+            kernel_input = query * self.key_conv_attn_layer(hidden_states) if conv_type == "sdconv" else query
+            kernel_logits = self.conv_kernel_layer(kernel_input).view(batch, seq_len, self.num_heads,
+                                                                      self.kernel_size)
+            value_mask = attention_mask if self.config.sdconv_mask_padding else None
+            conv = dynamic_conv(kernel_logits, self._heads(self.conv_out_layer(hidden_states)), value_mask,
+                                impl=self.config.sdconv_impl).reshape(batch, seq_len, -1)
+        return torch.cat([context, conv], dim=-1)
+
+
+class ConvBertSelfOutput(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        in_width = config.attention_width * (2 if config.has_conv else 1)
+        self.dense = nn.Linear(in_width, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(hidden_states)) + residual)
+
+
+class ConvBertAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self = ConvBertSelfAttention(config)
+        self.output = ConvBertSelfOutput(config)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.output(self.self(hidden_states, attention_mask), hidden_states)
+
+
+class GroupedLinear(nn.Module):
+    """The paper's grouped linear operator: ``num_groups`` independent linears over channel slices.
+
+    Weight layout ``[G, in/G, out/G]`` (input-major) and one bias ``[out]``, as in transformers.
+    """
+
+    def __init__(self, in_features: int, out_features: int, num_groups: int):
+        super().__init__()
+        self.num_groups = num_groups
+        self.weight = nn.Parameter(torch.empty(num_groups, in_features // num_groups, out_features // num_groups))
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        grouped = x.reshape(-1, self.num_groups, self.weight.shape[1]).transpose(0, 1)  # [G, N, in/G]
+        out = torch.bmm(grouped, self.weight).transpose(0, 1)  # [N, G, out/G]
+        return out.reshape(*leading, -1) + self.bias
+
+
+def _ffn_linear(in_features: int, out_features: int, num_groups: int) -> nn.Module:
+    if num_groups == 1:
+        return nn.Linear(in_features, out_features)
+    return GroupedLinear(in_features, out_features, num_groups)
+
+
+class ConvBertIntermediate(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = _ffn_linear(config.hidden_size, config.intermediate_size, config.num_groups)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(hidden_states))
+
+
+class ConvBertOutput(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = _ffn_linear(config.intermediate_size, config.hidden_size, config.num_groups)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(hidden_states)) + residual)
+
+
+class ConvBertLayer(nn.Module):
+    """One transformer block: mixed attention, then the (grouped) feed-forward, post-LayerNorm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention = ConvBertAttention(config)
+        self.intermediate = ConvBertIntermediate(config)
+        self.output = ConvBertOutput(config)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        attention_output = self.attention(hidden_states, attention_mask)
+        return self.output(self.intermediate(attention_output), attention_output)
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, std: float) -> None:
+    """BERT's initialisation, as transformers applies it to ConvBERT."""
+    if isinstance(module, (nn.Linear, nn.Conv1d)):
+        module.weight.normal_(0.0, std)
+        if module.bias is not None:
+            module.bias.zero_()
+    elif isinstance(module, nn.Embedding):
+        module.weight.normal_(0.0, std)
+        if module.padding_idx is not None:
+            module.weight[module.padding_idx].zero_()
+    elif isinstance(module, nn.LayerNorm):
+        module.weight.fill_(1.0)
+        module.bias.zero_()
+    elif isinstance(module, GroupedLinear):
+        module.weight.normal_(0.0, std)
+        module.bias.zero_()
+    elif isinstance(module, SeparableConv1D):
+        module.bias.zero_()

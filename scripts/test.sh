@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: set up .venv, then run pytest (extra arguments go to pytest).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH"
+exec python -m pytest -q "$@"

@@ -1,0 +1,98 @@
+"""ELECTRA pretraining: masking statistics, sampling, RTD labels, and learning on real text."""
+
+import torch
+
+from convbert_ds.config import ElectraConfig, ModelConfig, generator_config
+from convbert_ds.model import ElectraForPretraining
+from convbert_ds.model.electra import IGNORE_INDEX, corrupt, gumbel_sample, mask_tokens
+from convbert_ds.quickstart import train
+
+SPECIALS = (0, 2, 3)
+
+
+def _electra(**overrides) -> ElectraConfig:
+    disc = ModelConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=128, embedding_size=32, max_position_embeddings=64)
+    return ElectraConfig(discriminator=disc, generator=generator_config(disc, 0.25), **overrides)
+
+
+def test_masking_rates_and_specials():
+    config = _electra()
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(5, 200, (64, 60), generator=gen)
+    input_ids[:, 0], input_ids[:, 30], input_ids[:, -1] = 2, 3, 3
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[:, 50:] = 0
+    input_ids[:, 50:] = 0
+    masked_ids, labels = mask_tokens(input_ids, attention_mask, config, generator=gen)
+    masked = labels != IGNORE_INDEX
+    eligible = attention_mask.bool() & ~torch.isin(input_ids, torch.tensor(SPECIALS))
+    assert not (masked & ~eligible).any(), "specials and padding are never masked"
+    assert abs(masked.sum() / eligible.sum() - 0.15) < 0.01
+    to_mask_token = masked_ids == config.mask_token_id
+    assert abs(to_mask_token.sum() / masked.sum() - 0.85) < 0.03
+    assert torch.equal(masked_ids[masked & ~to_mask_token], input_ids[masked & ~to_mask_token])
+    assert torch.equal(masked_ids[~masked], input_ids[~masked])
+    assert torch.equal(labels[masked], input_ids[masked])
+
+
+def test_gumbel_sampling_follows_the_softmax_without_gradient():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]], requires_grad=True).repeat(20000, 1)
+    samples = gumbel_sample(logits)
+    assert not samples.requires_grad
+    frequencies = torch.bincount(samples, minlength=4).float() / samples.numel()
+    assert (frequencies - torch.softmax(logits[0].detach(), -1)).abs().max() < 0.015
+
+
+def test_rtd_label_only_where_the_sample_differs():
+    input_ids = torch.tensor([[2, 10, 11, 12, 3]])
+    labels = torch.tensor([[IGNORE_INDEX, 10, IGNORE_INDEX, 12, IGNORE_INDEX]])
+    corrupted, is_replaced = corrupt(input_ids, labels, torch.tensor([10, 40]))
+    assert corrupted.tolist() == [[2, 10, 11, 40, 3]]
+    assert is_replaced.tolist() == [[False, False, False, True, False]]
+
+
+def test_generator_shares_the_embedding_tables():
+    model = ElectraForPretraining(_electra())
+    shared = model.discriminator.convbert.embeddings
+    assert model.generator.convbert.embeddings is shared
+    assert model.generator.generator_lm_head.weight is shared.word_embeddings.weight
+    unique = {id(p) for p in model.parameters()}
+    assert len(unique) == len(list(model.parameters()))
+
+
+def test_loss_is_mlm_plus_weighted_rtd_and_gradients_reach_both_models():
+    torch.manual_seed(0)
+    model = ElectraForPretraining(_electra(rtd_weight=50.0))
+    input_ids = torch.randint(5, 200, (4, 32))
+    out = model(input_ids, torch.ones_like(input_ids))
+    assert torch.allclose(out.loss, out.mlm_loss + 50.0 * out.rtd_loss)
+    out.loss.backward()
+    assert model.generator.generator_predictions.dense.weight.grad.abs().sum() > 0
+    assert model.discriminator.discriminator_predictions.dense_prediction.weight.grad.abs().sum() > 0
+
+
+def test_mlm_objective_trains_the_masked_lm_alone():
+    torch.manual_seed(0)
+    config = _electra(objective="mlm")
+    model = ElectraForPretraining(config)
+    assert model.discriminator is None
+    assert model.generator.config.hidden_size == config.discriminator.hidden_size
+    input_ids = torch.randint(5, 200, (4, 32))
+    out = model(input_ids)
+    assert out.rtd_loss is None and torch.equal(out.loss.detach(), out.mlm_loss)
+
+
+def test_electra_learns_on_real_text(tmp_path):
+    """A few hundred CPU steps of the tiny preset on the standard library's docstrings."""
+    history = train(tmp_path, steps=250, batch_size=16, seq_len=64, vocab_size=2000, log_every=0,
+                    max_bytes=400_000)
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    first, last = history[:5], history[-40:]
+    assert mean(last, "mlm_loss") < mean(first, "mlm_loss") - 0.8
+    assert mean(last, "mlm_accuracy") > mean(first, "mlm_accuracy") + 0.03
+    assert mean(last, "rtd_accuracy") > mean(first, "rtd_accuracy") + 0.05
+    # Never worse than always answering "original" (the class prior); replaced tokens are ~15% x (1 - p(hit)).
+    assert mean(last, "rtd_accuracy") > 1 - mean(last, "replaced_fraction") - 0.005
+    assert 0.05 < mean(last, "replaced_fraction") < 0.15

@@ -1,0 +1,72 @@
+"""The SDConv kernels through Triton's real GPU compiler (to an sm_90 cubin), no GPU needed.
+
+The interpreter tests in test_kernels.py never run Triton's code generator, so a kernel that only the
+compiled path rejects (constexpr scoping, layouts, dtype rules) would pass CI and fail on the first GPU.
+This compiles both kernels as the JIT would specialise them for contiguous ConvBERT-base tensors, in a
+subprocess because test_kernels.py may already have switched this process to the interpreter.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def compile_kernels(arch: int = 90) -> list[str]:
+    """Compile forward and backward for a few dtype/flag combinations; returns a line per compiled kernel."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import native_specialize_impl
+
+    from convbert_ds.kernels import sdconv_triton as sd
+
+    assert not sd.INTERPRET, "compile_kernels must run without TRITON_INTERPRET"
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+
+    def build(kernel, args, meta):
+        fn = kernel.fn  # the JITFunction under triton.autotune
+        config = kernel.configs[0]
+        constexprs = {**meta, **config.kwargs}
+        signature, attrs = {}, {}
+        for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
+            kind, spec = native_specialize_impl(type(backend), arg, False, True, True)
+            signature[name] = kind
+            if kind == "constexpr":
+                constexprs[name] = spec
+            else:
+                attrs[(i,)] = backend.parse_attr(spec)
+        signature.update({name: "constexpr" for name in fn.arg_names[len(args):]})
+        options = backend.parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages})
+        compiled = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+        assert compiled.asm["cubin"], fn.__name__
+        return f"{fn.__name__} {meta}"
+
+    done = []
+    batch, seq_len, heads, head_dim = 2, 512, 6, 64
+    for dtype, kernel_size, masked in ((torch.bfloat16, 9, True), (torch.float32, 1, False)):
+        logits = torch.empty(batch, seq_len, heads, kernel_size, dtype=dtype)
+        values = torch.empty(batch, seq_len, heads, head_dim, dtype=dtype)
+        mask = torch.empty(batch, seq_len) if masked else None
+        lse = torch.empty(batch, heads, seq_len)
+        done.append(build(sd._sdconv_fwd_kernel, *sd.forward_args(logits, values, mask, values, lse, masked)))
+        grads = (logits, values) if masked else (None, values)
+        done.append(build(sd._sdconv_bwd_kernel, *sd.backward_args(values, logits, values, mask, lse, *grads)))
+    return done
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton build ships no ptxas")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_kernels_compile as t; "
+              "print('\\n'.join(t.compile_kernels(90)))")
+    result = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("_sdconv_") == 4, result.stdout

@@ -14,3 +14,19 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """Real text (the standard library's docstrings), a trained tokenizer, and its shards."""
+    from convbert_ds.data.builtin_corpus import write_corpus
+    from preprocessing.shard import shard_corpus
+    from preprocessing.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_corpus")
+    corpus = write_corpus(root / "corpus.txt", max_bytes=400_000)
+    tokenizer = train_tokenizer([str(corpus)], str(root / "tokenizer"), vocab_size=2000)
+    shard_corpus([str(corpus)], str(tokenizer), str(root / "shards"), workers=1, valid_fraction=0.05)
+    return {"corpus": corpus, "tokenizer": tokenizer, "shards": root / "shards"}

@@ -10,6 +10,7 @@ transformers' classes of the same names and share their parameter names, so
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from convbert_ds.config import ModelConfig
@@ -80,6 +81,8 @@ class ConvBertModel(HFInterop, nn.Module):
             self.embeddings_project = nn.Linear(config.embedding_size, config.hidden_size)
         self.encoder = nn.Module()
         self.encoder.layer = nn.ModuleList(ConvBertLayer(config) for _ in range(config.num_hidden_layers))
+        # Recompute each layer in backward instead of keeping its activations (memory for compute).
+        self.gradient_checkpointing = False
         # Shared embeddings were initialised by their owner; re-drawing them here would change its weights.
         for name, module in self.named_modules():
             if embeddings is None or not name.startswith("embeddings."):
@@ -97,7 +100,10 @@ class ConvBertModel(HFInterop, nn.Module):
             check_inputs(self.config, input_ids, attention_mask, token_type_ids)
         hidden = self.embed(input_ids, token_type_ids)
         for layer in self.encoder.layer:
-            hidden = layer(hidden, attention_mask)
+            if self.gradient_checkpointing and self.training:
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, attention_mask, use_reentrant=False)
+            else:
+                hidden = layer(hidden, attention_mask)
         return hidden
 
 

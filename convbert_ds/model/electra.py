@@ -119,6 +119,19 @@ def rtd_loss(logits: torch.Tensor, is_replaced: torch.Tensor, attention_mask: to
     return loss, accuracy
 
 
+def electra_output(mlm: torch.Tensor, mlm_accuracy: torch.Tensor, rtd_logits: torch.Tensor,
+                   is_replaced: torch.Tensor, attention_mask: torch.Tensor | None, rtd_weight: float
+                   ) -> PretrainingOutput:
+    """The ELECTRA loss (``mlm + rtd_weight * rtd``) and metrics from the generator's MLM loss and accuracy
+    and the discriminator's logits; shared by the plain model and the pipeline's last stage."""
+    rtd, rtd_acc = rtd_loss(rtd_logits, is_replaced, attention_mask)
+    real = torch.ones_like(is_replaced) if attention_mask is None else attention_mask.bool()
+    replaced_fraction = is_replaced[real].float().mean()
+    auc = binary_auc(rtd_logits[real], is_replaced[real])
+    return PretrainingOutput(mlm + rtd_weight * rtd, mlm.detach(), rtd.detach(), mlm_accuracy, rtd_acc, auc,
+                             replaced_fraction)
+
+
 class ElectraForPretraining(nn.Module):
     """Generator + discriminator with shared embeddings; ``forward`` returns a ``PretrainingOutput``."""
 
@@ -144,12 +157,7 @@ class ElectraForPretraining(nn.Module):
             return PretrainingOutput(mlm, mlm.detach(), None, mlm_acc, None, None, None)
         corrupted, is_replaced = corrupt(input_ids, labels, sampled)
         rtd_logits = self.discriminator(corrupted, attention_mask, token_type_ids)
-        rtd, rtd_acc = rtd_loss(rtd_logits, is_replaced, attention_mask)
-        real = torch.ones_like(is_replaced) if attention_mask is None else attention_mask.bool()
-        replaced_fraction = is_replaced[real].float().mean()
-        auc = binary_auc(rtd_logits[real], is_replaced[real])
-        return PretrainingOutput(mlm + config.rtd_weight * rtd, mlm.detach(), rtd.detach(), mlm_acc, rtd_acc, auc,
-                                 replaced_fraction)
+        return electra_output(mlm, mlm_acc, rtd_logits, is_replaced, attention_mask, config.rtd_weight)
 
 
 def corrupt(input_ids: torch.Tensor, labels: torch.Tensor, sampled: torch.Tensor

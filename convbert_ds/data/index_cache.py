@@ -1,0 +1,190 @@
+"""Index files that are built once, shared by every rank and never read half-written.
+
+A cache file holds one 1-D numpy structured array behind a fixed-size header::
+
+    bytes 0 .. 8         magic b"CBDSIDX\\x01"
+    bytes 8 .. 4096      JSON (utf-8, space padded): key, dtype, count, crc32 of the records, meta
+    bytes 4096 ..        the records, back to back
+
+Why it is safe when hundreds of ranks start at once:
+
+* A writer streams records into a temporary file in the same directory and
+  ``os.replace``-s it onto the final name, so a reader sees no file or a whole one.
+* An exclusive ``flock`` on ``<name>.lock`` makes one process build while the
+  others wait and then load its result. Where the filesystem has no working
+  ``flock`` every process builds, and the rename still keeps the file whole.
+* A file that fails any check (magic, key, dtype, size, crc32) is rebuilt, so a
+  truncated copy or a flipped byte never reaches training.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import uuid
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"CBDSIDX\x01"
+HEADER_BYTES = 4096
+_CRC_CHUNK = 1 << 26
+
+
+class CacheFileError(ValueError):
+    """A cache file exists but cannot be used (wrong key, truncated, corrupt)."""
+
+
+class RecordWriter:
+    """Appends record arrays to a cache file being built; the caller never sees the header."""
+
+    def __init__(self, stream, dtype: np.dtype):
+        self._stream = stream
+        self.dtype = dtype
+        self.count = 0
+        self.crc32 = 0
+
+    def append(self, records: np.ndarray) -> None:
+        if records.dtype != self.dtype:
+            raise TypeError(f"records have dtype {records.dtype}, this index holds {self.dtype}")
+        raw = np.ascontiguousarray(records).view(np.uint8)
+        self.crc32 = zlib.crc32(raw, self.crc32)
+        self._stream.write(raw)
+        self.count += len(records)
+
+
+@dataclass
+class CachedIndex:
+    path: Path
+    records: np.ndarray  # read-only memmap of the records
+    meta: dict
+    built: bool  # whether this process built the file
+
+
+def open_records(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    """Map the records of a checked cache file (used again after unpickling, e.g. in workers)."""
+    if count == 0:
+        return np.empty(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def _read_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        head = f.read(HEADER_BYTES)
+    if len(head) < HEADER_BYTES or head[: len(MAGIC)] != MAGIC:
+        raise CacheFileError(f"{path}: not a complete index file")
+    try:
+        return json.loads(head[len(MAGIC):].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheFileError(f"{path}: unreadable header ({e})") from None
+
+
+def _check(path: Path, key: str, dtype: np.dtype, verify_crc: bool) -> CachedIndex:
+    header = _read_header(path)
+    if header.get("key") != key:
+        raise CacheFileError(f"{path}: built for another key")
+    if header.get("dtype") != repr(dtype.descr):
+        raise CacheFileError(f"{path}: holds records of another layout")
+    count = int(header["count"])
+    if path.stat().st_size != HEADER_BYTES + count * dtype.itemsize:
+        raise CacheFileError(f"{path}: size does not match its header (truncated?)")
+    records = open_records(path, dtype, count)
+    if verify_crc:
+        raw = records.view(np.uint8)
+        crc = 0
+        for lo in range(0, len(raw), _CRC_CHUNK):
+            crc = zlib.crc32(raw[lo:lo + _CRC_CHUNK], crc)
+        if crc != header["crc32"]:
+            raise CacheFileError(f"{path}: checksum mismatch (corrupt)")
+    return CachedIndex(path, records, header.get("meta", {}), built=False)
+
+
+def _try_load(path: Path, key: str, dtype: np.dtype) -> CachedIndex | None:
+    if not path.exists():
+        return None
+    try:
+        return _check(path, key, dtype, verify_crc=True)
+    except (ValueError, KeyError, TypeError, OSError) as e:  # CacheFileError is a ValueError
+        logger.warning("rebuilding index: %s", e)
+        return None
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[bool]:
+    """Hold an exclusive flock; yields False (no lock held) where the filesystem has none."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for %s, which another process is building", lock_path.stem)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            logger.warning("no file locks on %s (%s): every process builds its own copy",
+                           lock_path.parent, e)
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _write(path: Path, key: str, dtype: np.dtype, build: Callable[[RecordWriter], dict]) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(b"\0" * HEADER_BYTES)
+            writer = RecordWriter(f, dtype)
+            meta = build(writer)
+            header = json.dumps({"key": key, "dtype": repr(dtype.descr), "count": writer.count,
+                                 "crc32": writer.crc32, "meta": meta}).encode("utf-8")
+            if len(MAGIC) + len(header) > HEADER_BYTES:
+                raise ValueError(f"index header for {path} is too large ({len(header)} bytes)")
+            f.seek(0)
+            f.write(MAGIC + header.ljust(HEADER_BYTES - len(MAGIC)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_or_build(path: Path, key: str, dtype: np.dtype,
+                  build: Callable[[RecordWriter], dict]) -> CachedIndex:
+    """Load the index at ``path`` if it is whole and was built for ``key``, else build it.
+
+    ``build(writer)`` appends records with ``writer.append`` and returns a small
+    JSON-able dict stored in the header (``CachedIndex.meta``).
+    """
+    dtype = np.dtype(dtype)
+    cached = _try_load(path, key, dtype)
+    if cached is not None:
+        return cached
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = path.with_name(path.name + ".lock")
+        with _exclusive(lock_path) as locked:
+            cached = _try_load(path, key, dtype)  # another process may have built it meanwhile
+            if cached is not None:
+                return cached
+            if locked:  # holding the lock, any temporary file left here is from a dead builder
+                for stale in path.parent.glob(f"{path.name}.tmp-*"):
+                    stale.unlink(missing_ok=True)
+            _write(path, key, dtype, build)
+    except PermissionError as e:
+        raise PermissionError(f"cannot write the sample index beside the shards ({e.filename}); "
+                              f"pass a writable cache_dir (config: data.cache_dir)") from None
+    index = _check(path, key, dtype, verify_crc=False)
+    index.built = True
+    return index

@@ -1,0 +1,86 @@
+"""One way to find this process's rank, whatever started it.
+
+- ``deepspeed`` / ``torchrun``: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT are set.
+- ``srun python -m convbert_ds.train``: translated from SLURM_PROCID / SLURM_NTASKS /
+  SLURM_LOCALID; the master is the first host of the job's node list.
+- ``mpirun -np N python -m convbert_ds.train``: asked of MPI through mpi4py.
+- nothing: a single process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+
+_TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def _first_slurm_host() -> str:
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                               check=True, timeout=30).stdout.split()
+        if hosts:
+            return hosts[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+
+
+def _from_slurm() -> dict[str, str]:
+    job = int(os.environ.get("SLURM_JOB_ID", "0"))
+    return {
+        "RANK": os.environ["SLURM_PROCID"],
+        "WORLD_SIZE": os.environ["SLURM_NTASKS"],
+        "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"),
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR") or _first_slurm_host(),
+        # Jobs sharing a node must not fight over one port.
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(20000 + job % 20000),
+    }
+
+
+def _from_mpi() -> dict[str, str]:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    master = comm.bcast(socket.gethostbyname(socket.gethostname()) if rank == 0 else None, root=0)
+    port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local),
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR", master), "MASTER_PORT": os.environ.get("MASTER_PORT", port)}
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return str(s.getsockname()[1])
+
+
+def discover() -> str:
+    """Fill the torch.distributed variables from the launcher; return the launcher's name."""
+    if all(v in os.environ for v in ("RANK", "WORLD_SIZE")):
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
+        launcher = "torch"
+    elif "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_STEP_ID" in os.environ:
+        os.environ.update(_from_slurm())
+        launcher = "slurm"
+    elif any(v in os.environ for v in _MPI_MARKERS):
+        os.environ.update(_from_mpi())
+        launcher = "mpi"
+    else:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        launcher = "single"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", _free_port() if os.environ["WORLD_SIZE"] == "1" else "29500")
+    return launcher
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))

@@ -1,0 +1,66 @@
+"""Render a run's loss curves to a PNG.
+
+    python -m convbert_ds.plot LOG_DIR [--out curves.png]
+
+LOG_DIR holds the ``metrics.jsonl`` the trainer writes (``log.dir``, by default
+``logs/`` next to the checkpoint directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PANELS = (("loss", "total loss"), ("mlm_loss", "generator MLM loss"), ("rtd_loss", "discriminator RTD loss"),
+          ("rtd_accuracy", "RTD accuracy"))
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    path = log_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: pass the run's log.dir (it holds metrics.jsonl)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(log_dir: Path, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(log_dir)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        for split, style in (("train", "-"), ("valid", "o-")):
+            points = [(r["step"], r[key]) for r in rows if r.get("split") == split and r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), style, label=split, markersize=4)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(str(log_dir))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("log_dir", type=Path)
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: LOG_DIR/curves.png)")
+    args = parser.parse_args(argv)
+    try:
+        out = plot(args.log_dir, args.out or args.log_dir / "curves.png")
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Look inside token shards: counts, length histograms and a few decoded documents.
+
+``python -m preprocessing.inspect SHARD_DIR`` (a directory with manifest.json)
+or ``python -m preprocessing.inspect SHARD_DIR/train/shard-00000`` (one shard,
+by prefix or .bin/.idx path). Shards are opened with megatron-core's own
+``IndexedDataset``; the tokenizer comes from the manifest unless ``--tokenizer``
+names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from preprocessing.errors import PreprocessingError, run_cli
+
+
+def _indexed_dataset(prefix: str):
+    with warnings.catch_warnings():
+        # megatron-core warns at import about optional GPU libraries (Apex, TE).
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        return IndexedDataset(prefix)
+
+
+def histogram(values: np.ndarray, width: int = 40) -> list[str]:
+    """Power-of-two buckets of ``values`` as text bars."""
+    if len(values) == 0:
+        return ["  (empty)"]
+    buckets = np.floor(np.log2(np.maximum(values, 1))).astype(int)
+    counts = np.bincount(buckets)
+    lines = []
+    for b, count in enumerate(counts):
+        if count:
+            lo, hi = 2**b, 2 ** (b + 1) - 1
+            label = f"{lo}" if lo == hi else f"{lo}-{hi}"
+            bar = "#" * max(1, round(width * count / counts.max()))
+            lines.append(f"  {label:>13}  {count:>10,}  {bar}")
+    return lines
+
+
+def _describe(prefixes: list[str], tokenizer, documents: int) -> list[str]:
+    seq_lengths, doc_tokens, shown = [], [], []
+    for prefix in prefixes:
+        ds = _indexed_dataset(prefix)
+        lengths = ds.sequence_lengths.astype(np.int64)
+        seq_lengths.append(lengths)
+        bounds = np.concatenate(([0], np.cumsum(lengths)))
+        doc_tokens.append(np.diff(bounds[ds.document_indices]))
+        for d in range(min(documents - len(shown), len(ds.document_indices) - 1)):
+            seqs = range(ds.document_indices[d], ds.document_indices[d + 1])
+            shown.append([tokenizer.decode(ds[i]) if tokenizer else " ".join(map(str, ds[i][:32])) for i in seqs])
+    seq_lengths = np.concatenate(seq_lengths) if seq_lengths else np.zeros(0, np.int64)
+    doc_tokens = np.concatenate(doc_tokens) if doc_tokens else np.zeros(0, np.int64)
+    out = [f"  {len(prefixes)} shards, {len(doc_tokens):,} documents, {len(seq_lengths):,} sequences, "
+           f"{int(seq_lengths.sum()):,} tokens"]
+    if len(seq_lengths):
+        out.append(f"  tokens per sequence: mean {seq_lengths.mean():.1f}, median {np.median(seq_lengths):.0f}, "
+                   f"max {seq_lengths.max():,}; per document: mean {doc_tokens.mean():.1f}, "
+                   f"max {doc_tokens.max():,}")
+    out.append("  sequence length histogram (tokens):")
+    out += histogram(seq_lengths)
+    out.append("  document length histogram (tokens):")
+    out += histogram(doc_tokens)
+    for k, doc in enumerate(shown):
+        out.append(f"  --- document {k} ({len(doc)} sequences) ---")
+        out += [f"  | {line[:200]}" for line in doc]
+    return out
+
+
+def inspect_path(path: str, tokenizer_dir: str | None = None, documents: int = 3) -> str:
+    from preprocessing.shard import read_manifest, summary_table
+    from preprocessing.tokenizer import load_tokenizer
+
+    p = Path(path)
+    if p.suffix in (".bin", ".idx"):
+        p = p.with_suffix("")
+    if (p / "manifest.json").is_file():
+        manifest = read_manifest(p, verify=False)
+        tokenizer = _tokenizer(tokenizer_dir or manifest["tokenizer"]["dir"], load_tokenizer)
+        out = [f"{p}: tokenizer {manifest['tokenizer']['dir']} ({manifest['tokenizer']['kind']}, "
+               f"vocab {manifest['tokenizer']['vocab_size']:,}, {manifest['dtype']})",
+               summary_table(manifest)]
+        for name, split in manifest["splits"].items():
+            out.append(f"\n[{name}]")
+            out += _describe([str(p / s["prefix"]) for s in split["shards"]], tokenizer, documents)
+        return "\n".join(out)
+    if Path(f"{p}.idx").is_file() and Path(f"{p}.bin").is_file():
+        if tokenizer_dir is None and (p.parent.parent / "manifest.json").is_file():
+            tokenizer_dir = read_manifest(p.parent.parent, verify=False)["tokenizer"]["dir"]
+        tokenizer = _tokenizer(tokenizer_dir, load_tokenizer) if tokenizer_dir else None
+        return "\n".join([f"{p}:"] + _describe([str(p)], tokenizer, documents))
+    raise PreprocessingError(f"{path}: neither a shard directory (with manifest.json) nor a shard prefix "
+                             "(with .bin and .idx)")
+
+
+def _tokenizer(directory: str, load_tokenizer):
+    try:
+        return load_tokenizer(directory)
+    except PreprocessingError as e:
+        print(f"note: showing token ids, cannot load the tokenizer: {e}", file=sys.stderr)
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m preprocessing.inspect", description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", metavar="PREFIX_OR_DIR")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer dir for decoding (default: the manifest's)")
+    parser.add_argument("--documents", type=int, default=3, help="decoded documents to show per split")
+    args = parser.parse_args(argv)
+    print(inspect_path(args.path, args.tokenizer, args.documents))
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,121 @@
+"""Join the shard directories of ``shard --slice i/N`` runs into one shard directory.
+
+``python -m preprocessing.merge SLICE_DIR... --out SHARD_DIR [--copy]``
+
+Each slice directory is verified against its manifest (sizes and sha256),
+the slices must come from the same inputs, tokenizer and settings, and all N
+must be present. Shards are hard-linked (copied across filesystems, or with
+``--copy``) into ``SHARD_DIR/{train,valid}/shard-NNNNN`` in slice order, so the
+merged splits hold the documents in the same order as a single run would.
+Counts, skips and per-source document counts are summed; ``manifest.json`` is
+written last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from preprocessing.encode import SPLITS
+from preprocessing.errors import PreprocessingError, run_cli
+from preprocessing.shard import FORMAT_VERSION, MANIFEST, REPAIRED, SKIPPED, write_json_atomic, read_manifest
+
+
+def _same(manifests: list[tuple[Path, dict]], key, what: str) -> None:
+    first_dir, first = manifests[0]
+    for d, m in manifests[1:]:
+        if key(m) != key(first):
+            raise PreprocessingError(f"{d} and {first_dir} differ in {what}; they are not slices of one run")
+
+
+def merge_slices(slice_dirs: list[str], out: str | os.PathLike, copy: bool = False) -> dict:
+    """Merge slice directories into ``out``; return the merged manifest."""
+    if not slice_dirs:
+        raise PreprocessingError("no slice directories given")
+    manifests = [(Path(d), read_manifest(d)) for d in slice_dirs]
+    _same(manifests, lambda m: m["tokenizer"]["sha256"], "tokenizer")
+    _same(manifests, lambda m: [(s["path"], s["bytes"]) for s in m["sources"]], "inputs")
+    _same(manifests, lambda m: m["settings"], "settings")
+    slices = [m["slice"] for _, m in manifests]
+    if all(s is not None for s in slices):
+        count = slices[0]["count"]
+        indices = sorted(s["index"] for s in slices)
+        if any(s["count"] != count for s in slices) or indices != list(range(count)):
+            raise PreprocessingError(f"need each of the {count} slices exactly once, got slices "
+                                     f"{', '.join(str(i) for i in indices)}")
+        manifests.sort(key=lambda dm: dm[1]["slice"]["index"])
+    elif any(s is not None for s in slices):
+        raise PreprocessingError("mixing slice directories with whole-corpus shard directories")
+
+    root = Path(out)
+    if root.exists() and any(root.iterdir()):
+        raise PreprocessingError(f"{root} exists and is not empty")
+    base = manifests[0][1]
+    splits = {}
+    for split in SPLITS:
+        (root / split).mkdir(parents=True, exist_ok=True)
+        shards = []
+        for d, m in manifests:
+            for shard in m["splits"][split]["shards"]:
+                prefix = f"{split}/shard-{len(shards):05d}"
+                for ext in ("bin", "idx"):
+                    _place(d / f"{shard['prefix']}.{ext}", root / f"{prefix}.{ext}", copy)
+                shards.append({**shard, "prefix": prefix})
+        splits[split] = {key: sum(s[key] for s in shards) for key in ("documents", "sequences", "tokens")}
+        splits[split]["shards"] = shards
+
+    sources = [dict(s) for s in base["sources"]]
+    for i, source in enumerate(sources):
+        source["documents"] = sum(m["sources"][i]["documents"] for _, m in manifests)
+    skipped = {k: sum(m["skipped"][k] for _, m in manifests) for k in SKIPPED}
+    skipped["blank_files"] = sum(1 for s in sources if s["documents"] == 0)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": base["tokenizer"],
+        "dtype": base["dtype"],
+        "splits": splits,
+        "documents_read": sum(m["documents_read"] for _, m in manifests),
+        "skipped": skipped,
+        "repaired": {k: sum(m["repaired"][k] for _, m in manifests) for k in REPAIRED},
+        "sources": sources,
+        "settings": base["settings"],
+        "slice": None,
+        "merged_from": [{"dir": str(d), "slice": m["slice"]} for d, m in manifests],
+        "fingerprint": hashlib.sha256("".join(m["fingerprint"] for _, m in manifests).encode()).hexdigest(),
+    }
+    write_json_atomic(root / MANIFEST, manifest)
+    return manifest
+
+
+def _place(src: Path, dst: Path, copy: bool) -> None:
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    if not copy:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            copy = True
+    if copy:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m preprocessing.merge", description=__doc__.split("\n\n")[0])
+    parser.add_argument("slice_dirs", nargs="+", metavar="SLICE_DIR")
+    parser.add_argument("--out", required=True, help="shard directory to create")
+    parser.add_argument("--copy", action="store_true", help="copy shards instead of hard-linking them")
+    args = parser.parse_args(argv)
+    from preprocessing.shard import summary_table
+
+    manifest = merge_slices(args.slice_dirs, args.out, args.copy)
+    print(f"merged {len(args.slice_dirs)} slice directories into {args.out}")
+    print(summary_table(manifest))
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

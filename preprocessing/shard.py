@@ -1,0 +1,551 @@
+"""Tokenize a corpus into megatron-core shards: parallel, bounded in memory, resumable.
+
+``python -m preprocessing.shard --input GLOB... --tokenizer DIR --out SHARD_DIR [--workers N]``
+
+Output::
+
+    SHARD_DIR/manifest.json                  counts, sha256 of every file, sources, skips
+    SHARD_DIR/train/shard-00000.{bin,idx}    megatron-core IndexedDataset, one sequence
+    SHARD_DIR/valid/shard-00000.{bin,idx}    per line, one document per document
+
+How it runs: the parent reads the inputs as chunks of whole documents
+(``sources``), workers tokenize them (``encode``), and the parent appends the
+results, in input order, to the open shard of each split (``indexed``). A
+shard closes at the first document boundary past ``shard_tokens``. Documents go
+to ``valid`` by a keyed hash of their text, so the split is deterministic.
+
+Because chunking, tokenization and the split are all deterministic, the output
+does not depend on the number of workers or on interruptions. A checkpoint
+(``progress.json``) is written whenever a shard closes and every
+``checkpoint_every`` chunks: the finished shards with their hashes, the open
+shards' file sizes, the counters, and the input position. A rerun after a crash
+verifies the finished shards, truncates the open ones to the checkpoint and
+goes on from that input position; the manifest comes out identical to an
+uninterrupted run's. Files only get their final names once complete, and
+``manifest.json`` is written last.
+
+``--slice i/N`` processes the i-th of N byte spans of the inputs (a document
+belongs to the span its start falls in); ``python -m preprocessing.merge``
+joins the slice directories into one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import fcntl
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import numpy as np
+
+from preprocessing.documents import MAX_LINE_CHARS
+from preprocessing.encode import SPLITS, EncodeOptions, LineEncoder, encode_chunk, encode_in_worker, init_worker
+from preprocessing.errors import PreprocessingError, run_cli
+from preprocessing.indexed import ShardWriter, commit_shard, file_sha256, fsync_dir
+from preprocessing.sources import Source, iter_chunks, parse_slice, plan_slice, range_bytes, resolve_inputs
+from preprocessing.tokenizer import Tokenizer, load_tokenizer
+
+FORMAT_VERSION = 1
+DEFAULT_SHARD_TOKENS = 100_000_000
+DEFAULT_VALID_FRACTION = 0.01
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+SKIPPED = ("empty_documents", "empty_sequences", "blank_files")
+REPAIRED = ("invalid_utf8_bytes", "long_lines_split", "long_documents_split")
+_SHARD_FILE = re.compile(r"shard-\d+\.(bin|idx|lens|docs)(\.tmp)?$")
+
+
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------------------
+# reading and validating a finished shard directory
+
+
+def read_manifest(shard_dir: str | os.PathLike, verify: bool = True) -> dict:
+    """Load ``SHARD_DIR/manifest.json`` and check every listed file exists with its size and sha256.
+
+    ``verify=False`` checks sizes only (fast). Problems raise ``PreprocessingError`` naming the file.
+    """
+    root = Path(shard_dir)
+    path = root / MANIFEST
+    if not path.is_file():
+        hint = " (the run is unfinished: rerun it to resume)" if (root / PROGRESS).is_file() else ""
+        raise PreprocessingError(f"{path}: no manifest{hint}")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:
+        raise PreprocessingError(f"{path}: not valid JSON ({e})") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise PreprocessingError(f"{path}: format_version {manifest.get('format_version')!r}, "
+                                 f"expected {FORMAT_VERSION}")
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            for ext in ("bin", "idx"):
+                _check_file(root / f"{shard['prefix']}.{ext}", shard["bytes"][ext], shard["sha256"][ext], verify)
+    return manifest
+
+
+def _check_file(path: Path, size: int, sha256: str, verify: bool = True) -> None:
+    if not path.is_file():
+        raise PreprocessingError(f"{path}: missing (listed in the manifest)")
+    if path.stat().st_size != size:
+        raise PreprocessingError(f"{path}: {path.stat().st_size} bytes, the manifest says {size}")
+    if verify and file_sha256(path) != sha256:
+        raise PreprocessingError(f"{path}: sha256 differs from the manifest (corrupted or replaced)")
+
+
+def shard_paths(shard_dir: str | os.PathLike, split: str = "train") -> list[str]:
+    """Path prefixes of a split's shards, in order, for ``IndexedDataset(prefix)``."""
+    manifest = read_manifest(shard_dir, verify=False)
+    return [str(Path(shard_dir) / s["prefix"]) for s in manifest["splits"][split]["shards"]]
+
+
+# ---------------------------------------------------------------------------
+# one split's shards while writing
+
+
+class _SplitWriter:
+    def __init__(self, root: Path, name: str, dtype: str, shard_tokens: int, saved: dict | None):
+        self.root, self.name, self.dtype, self.shard_tokens = root, name, dtype, shard_tokens
+        (root / name).mkdir(parents=True, exist_ok=True)
+        self.finished: list[dict] = saved["finished"] if saved else []
+        self.next_index: int = saved["next_index"] if saved else 0
+        self.writer: ShardWriter | None = None
+        if saved and saved["open"]:
+            self.writer = ShardWriter(self._prefix(self.next_index), dtype, resume=saved["open"])
+
+    def _prefix(self, index: int) -> Path:
+        return self.root / self.name / f"shard-{index:05d}"
+
+    def relative(self, index: int) -> str:
+        return f"{self.name}/shard-{index:05d}"
+
+    def add(self, part, skip: int, done: dict, close_shard) -> None:
+        """Append ``part``'s documents from ``skip`` on; ``close_shard(self)`` when a shard fills up.
+
+        ``done[split]`` tracks how many of the part's documents are written, for checkpoints.
+        """
+        docs = part.document_sequences
+        n = len(docs)
+        if skip >= n:
+            return
+        seq_starts = np.concatenate(([0], np.cumsum(docs)))
+        tok_starts = np.concatenate(([0], np.cumsum(part.document_tokens)))
+        d = skip
+        while d < n:
+            if self.writer is None:
+                self.writer = ShardWriter(self._prefix(self.next_index), self.dtype)
+            room = self.shard_tokens - self.writer.tokens
+            # Take documents until the shard reaches shard_tokens (the last one may overshoot).
+            end = int(np.searchsorted(tok_starts[d + 1:], tok_starts[d] + room, side="left")) + d + 1
+            end = min(end, n)
+            s0, s1 = seq_starts[d], seq_starts[end]
+            self.writer.add(part.tokens[tok_starts[d]:tok_starts[end]], part.sequence_lengths[s0:s1],
+                            docs[d:end])
+            done[self.name] = end
+            d = end
+            if self.writer.tokens >= self.shard_tokens:
+                close_shard(self)
+
+    def finish_open(self) -> dict | None:
+        """Finish the open shard (write its index); it is committed after the next checkpoint."""
+        if self.writer is None:
+            return None
+        if self.writer.documents == 0:
+            self.writer.discard()
+            self.writer = None
+            return None
+        record = {"prefix": self.relative(self.next_index), **self.writer.finish()}
+        self.finished.append(record)
+        self.writer = None
+        self.next_index += 1
+        return record
+
+    def saved(self) -> dict:
+        if self.writer is not None:
+            self.writer.sync()
+        return {"finished": self.finished, "next_index": self.next_index,
+                "open": self.writer.state() if self.writer is not None else None}
+
+    def totals(self) -> dict:
+        return {key: sum(s[key] for s in self.finished) for key in ("documents", "sequences", "tokens")}
+
+
+def _restore_finished(root: Path, record: dict) -> None:
+    """Check a shard the checkpoint lists as finished; finish renaming it if the crash came first."""
+    for ext in ("bin", "idx"):
+        final, tmp = root / f"{record['prefix']}.{ext}", root / f"{record['prefix']}.{ext}.tmp"
+        path = final if final.exists() else tmp
+        try:
+            _check_file(path, record["bytes"][ext], record["sha256"][ext])
+        except PreprocessingError as e:
+            raise PreprocessingError(f"cannot resume: {e}; delete {root} (or pass --overwrite) to start over") \
+                from None
+    commit_shard(root / record["prefix"])
+
+
+def _remove_stray_files(root: Path, keep: set[str]) -> None:
+    for split in SPLITS:
+        d = root / split
+        if d.is_dir():
+            for f in d.iterdir():
+                if _SHARD_FILE.match(f.name) and f"{split}/{f.name}" not in keep:
+                    f.unlink()
+
+
+def _clear_output(root: Path) -> None:
+    for name in (MANIFEST, PROGRESS, MANIFEST + ".tmp", PROGRESS + ".tmp"):
+        (root / name).unlink(missing_ok=True)
+    for split in SPLITS:
+        shutil.rmtree(root / split, ignore_errors=True)
+
+
+def _check_output_dir(root: Path) -> None:
+    ours = {MANIFEST, PROGRESS, MANIFEST + ".tmp", PROGRESS + ".tmp", ".lock", *SPLITS}
+    other = sorted(p.name for p in root.iterdir() if p.name not in ours)
+    if other:
+        raise PreprocessingError(f"{root} holds files that are not shards ({', '.join(other[:3])}); "
+                                 "choose an empty or new directory")
+
+
+# ---------------------------------------------------------------------------
+# the run
+
+
+def _fingerprint(tok: Tokenizer, sources: list[Source], settings: dict) -> dict:
+    return {"tokenizer": tok.sha256,
+            "sources": [[s.path, s.format, s.compression, s.size, s.mtime_ns] for s in sources],
+            "settings": settings}
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, workers: int | None = None,
+                 shard_tokens: int = DEFAULT_SHARD_TOKENS, valid_fraction: float = DEFAULT_VALID_FRACTION,
+                 slice: str | tuple[int, int] | None = None, strict: bool = False, text_field: str = "text",
+                 split_seed: int = 0, block_bytes: int = 1 << 20, max_line_chars: int = MAX_LINE_CHARS,
+                 max_document_bytes: int = 64 << 20, checkpoint_every: int = 64, overwrite: bool = False,
+                 progress: bool = False, report=None) -> dict:
+    """Tokenize ``inputs`` into megatron-core shards under ``out``; return the manifest.
+
+    ``workers``: tokenizer processes (default: all cores; 0 = in this process).
+    ``shard_tokens``: a shard closes at the first document end past this many tokens.
+    ``valid_fraction``: share of documents (by hash of their text, keyed by
+    ``split_seed``) that go to the validation split. ``slice``: "i/N" to process
+    the i-th of N input slices (see ``preprocessing.merge``). ``strict``: invalid
+    UTF-8 is an error instead of replaced. ``report``: a ``print``-like function
+    for the summary table. Rerunning after an interruption resumes.
+    """
+    started = time.perf_counter()
+    slice_index, slice_count = parse_slice(slice)
+    if shard_tokens < 1 or not 0 <= valid_fraction <= 1:
+        raise PreprocessingError("need shard_tokens >= 1 and 0 <= valid_fraction <= 1")
+    tok = load_tokenizer(tokenizer)
+    sources = resolve_inputs(inputs, text_field)
+    ranges = plan_slice(sources, slice_index, slice_count)
+    workers = default_workers() if workers is None else workers
+    settings = {"shard_tokens": shard_tokens, "valid_fraction": valid_fraction, "split_seed": split_seed,
+                "strict": strict, "text_field": text_field, "block_bytes": block_bytes,
+                "max_line_chars": max_line_chars, "max_document_bytes": max_document_bytes,
+                "slice": None if slice_count == 1 else {"index": slice_index, "count": slice_count}}
+    fingerprint = _fingerprint(tok, sources, settings)
+
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root / ".lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise PreprocessingError(f"another process is writing to {root}") from None
+    try:
+        _check_output_dir(root)
+        saved = None
+        if overwrite:
+            _clear_output(root)
+        elif (root / MANIFEST).is_file():
+            manifest = read_manifest(root, verify=False)
+            if manifest.get("fingerprint") != _digest(fingerprint):
+                raise PreprocessingError(f"{root} already holds shards made from other inputs, tokenizer or "
+                                         "settings; pass --overwrite to replace them")
+            manifest = read_manifest(root)
+            (root / PROGRESS).unlink(missing_ok=True)
+            if report:
+                report(f"{root} is already complete")
+                report(summary_table(manifest))
+            return manifest
+        elif (root / PROGRESS).is_file():
+            saved = json.loads((root / PROGRESS).read_text())
+            if saved["fingerprint"] != fingerprint:
+                changed = [k for k in fingerprint if saved["fingerprint"].get(k) != fingerprint[k]]
+                raise PreprocessingError(
+                    f"{root} holds an interrupted run with different {' and '.join(changed)}; rerun it with the "
+                    "same inputs and settings to resume, or pass --overwrite to start over")
+        run = _Run(root, tok, sources, ranges, fingerprint, settings, tokenizer, saved, checkpoint_every)
+        run.execute(workers, progress)
+        manifest = run.write_manifest()
+        if report:
+            report(summary_table(manifest, time.perf_counter() - started, run.processed))
+        return manifest
+    finally:
+        lock.close()
+
+
+class _Run:
+    def __init__(self, root: Path, tok: Tokenizer, sources: list[Source], ranges, fingerprint: dict,
+                 settings: dict, tokenizer_arg: str, saved: dict | None, checkpoint_every: int):
+        self.root, self.tok, self.sources, self.ranges = root, tok, sources, ranges
+        self.checkpoint_every = max(checkpoint_every, 1)
+        self.fingerprint, self.settings, self.tokenizer_arg = fingerprint, settings, tokenizer_arg
+        self.options = EncodeOptions(tok.dtype, settings["valid_fraction"], settings["split_seed"],
+                                     settings["strict"], settings["text_field"], settings["max_line_chars"],
+                                     tuple(s.path for s in sources))
+        keep = set()
+        if saved:
+            for split in SPLITS:
+                for record in saved["splits"][split]["finished"]:
+                    _restore_finished(root, record)
+                    keep.update(f"{record['prefix']}.{ext}" for ext in ("bin", "idx"))
+                if saved["splits"][split]["open"]:
+                    prefix = f"{split}/shard-{saved['splits'][split]['next_index']:05d}"
+                    keep.update(f"{prefix}.{ext}.tmp" for ext in ("bin", "lens", "docs"))
+        _remove_stray_files(root, keep)
+        self.splits = {s: _SplitWriter(root, s, tok.dtype, settings["shard_tokens"],
+                                       saved["splits"][s] if saved else None) for s in SPLITS}
+        self.chunk = saved["chunk"] if saved else 0
+        self.position = tuple(saved["position"]) if saved else (0, None)
+        self.resume_skip = dict(saved["done_in_chunk"]) if saved else {s: 0 for s in SPLITS}
+        self.stats = saved["stats"] if saved else {k: 0 for k in ("documents_read", *SKIPPED, *REPAIRED)}
+        self.source_documents = saved["source_documents"] if saved else [0] * len(sources)
+        self.done_in_chunk = {s: 0 for s in SPLITS}
+        self.processed = {"documents": 0, "tokens": 0}
+        self._uncommitted: list[str] = []
+
+    # -- checkpoints -------------------------------------------------------
+
+    def checkpoint(self) -> None:
+        state = {"fingerprint": self.fingerprint, "chunk": self.chunk, "position": list(self.position),
+                 "done_in_chunk": dict(self.done_in_chunk), "stats": self.stats,
+                 "source_documents": self.source_documents,
+                 "splits": {name: split.saved() for name, split in self.splits.items()}}
+        write_json_atomic(self.root / PROGRESS, state)
+        for prefix in self._uncommitted:
+            commit_shard(self.root / prefix)
+        self._uncommitted.clear()
+
+    def _close_shard(self, split: _SplitWriter) -> None:
+        record = split.finish_open()
+        if record:
+            self._uncommitted.append(record["prefix"])
+            self.checkpoint()
+
+    # -- main loop ---------------------------------------------------------
+
+    def execute(self, workers: int, progress: bool) -> None:
+        from tqdm import tqdm
+
+        total = sum(range_bytes(self.sources, r) for r in self.ranges)
+        done = sum(range_bytes(self.sources, r) for r in self.ranges[:self.position[0]])
+        chunks = iter_chunks(self.sources, self.ranges, self.settings["text_field"], self.settings["block_bytes"],
+                             self.settings["max_document_bytes"], start=(self.chunk, self.position))
+        since_checkpoint = 0
+        # The pool first: the progress bar starts a thread, and threads rule out fork.
+        with _encoder_pool(workers, self.tok, self.options) as submit:
+            bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, disable=not progress, desc="shard",
+                       dynamic_ncols=True, file=sys.stderr)
+            start = time.perf_counter()
+            try:
+                pending: collections.deque = collections.deque()
+                window = 2 * max(workers, 1) + 2
+                for chunk in chunks:
+                    pending.append((chunk, submit(chunk)))
+                    while len(pending) >= window:
+                        since_checkpoint = self._apply(*pending.popleft(), since_checkpoint, bar, start)
+                while pending:
+                    since_checkpoint = self._apply(*pending.popleft(), since_checkpoint, bar, start)
+            finally:
+                bar.close()
+
+    def _apply(self, chunk, future, since_checkpoint: int, bar, start: float) -> int:
+        try:
+            result = future.result()
+        except BrokenProcessPool:
+            raise PreprocessingError("a worker process died (out of memory?); rerun the same command to resume") \
+                from None
+        self.chunk, self.position = chunk.index, chunk.position
+        # After a resume, the first chunk's documents up to the checkpoint are already written.
+        skip, self.resume_skip = self.resume_skip, {s: 0 for s in SPLITS}
+        self.done_in_chunk = dict(skip)
+        for name in SPLITS:
+            self.splits[name].add(result.parts[name], skip[name], self.done_in_chunk, self._close_shard)
+        for key, value in result.stats.items():
+            self.stats[key] += value
+        kept = sum(len(p.document_sequences) for p in result.parts.values())
+        self.source_documents[result.source] += kept
+        self.processed["documents"] += kept
+        self.processed["tokens"] += sum(int(p.tokens.size) for p in result.parts.values())
+        self.chunk, self.position = chunk.index + 1, chunk.next_position
+        self.done_in_chunk = {s: 0 for s in SPLITS}
+        since_checkpoint += 1
+        if since_checkpoint >= self.checkpoint_every:
+            self.checkpoint()
+            since_checkpoint = 0
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        bar.set_postfix_str(f"{self.processed['documents'] / elapsed:,.0f} docs/s "
+                            f"{self.processed['tokens'] / elapsed:,.0f} tok/s", refresh=False)
+        bar.update(chunk.progress_bytes)
+        return since_checkpoint
+
+    def write_manifest(self) -> dict:
+        for split in self.splits.values():
+            record = split.finish_open()
+            if record:
+                self._uncommitted.append(record["prefix"])
+        self.checkpoint()
+        whole = {r.source for r in self.ranges if r.start == 0 and r.end is None}
+        stats = dict(self.stats)
+        stats["blank_files"] = sum(1 for i in whole if self.source_documents[i] == 0)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "tokenizer": {"dir": str(self.tokenizer_arg), **self.tok.describe()},
+            "dtype": self.tok.dtype,
+            "splits": {name: {**split.totals(), "shards": split.finished} for name, split in self.splits.items()},
+            "documents_read": stats["documents_read"],
+            "skipped": {k: stats[k] for k in SKIPPED},
+            "repaired": {k: stats[k] for k in REPAIRED},
+            "sources": [{**s.describe(), "documents": n} for s, n in zip(self.sources, self.source_documents)],
+            "settings": {k: v for k, v in self.settings.items() if k != "slice"},
+            "slice": self.settings["slice"],
+            "fingerprint": _digest(self.fingerprint),
+        }
+        write_json_atomic(self.root / MANIFEST, manifest)
+        (self.root / PROGRESS).unlink(missing_ok=True)
+        return manifest
+
+
+def _start_method() -> str:
+    """Start workers by fork when this process holds nothing that forking breaks, else by spawn.
+
+    A forked worker starts in milliseconds with the tokenizer already loaded; a
+    spawned one re-imports everything (about half a second, 10% of a 60 MB
+    run). Forking is unsafe once other Python threads run or libraries with
+    their own thread pools are loaded (torch, HF tokenizers), e.g. when the
+    trainer or a test suite calls ``shard_corpus``; then spawn.
+    """
+    unsafe = ("torch", "tokenizers", "transformers")
+    if ("fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+            and not any(name in sys.modules for name in unsafe)):
+        return "fork"
+    return "spawn"
+
+
+class _encoder_pool:
+    """``submit(chunk) -> Future`` over worker processes, or in this process for ``workers == 0``."""
+
+    def __init__(self, workers: int, tok: Tokenizer, options: EncodeOptions):
+        self.workers, self.tok, self.options = workers, tok, options
+        self.executor = None
+
+    def __enter__(self):
+        if self.workers == 0:
+            encoder = LineEncoder(self.tok.worker_spec(), single_thread=False)
+
+            def submit(chunk) -> Future:
+                f: Future = Future()
+                try:
+                    f.set_result(encode_chunk(chunk, encoder, self.options))
+                except PreprocessingError as e:
+                    f.set_exception(e)
+                return f
+            return submit
+        context = multiprocessing.get_context(_start_method())
+        self.executor = ProcessPoolExecutor(self.workers, mp_context=context, initializer=init_worker,
+                                            initargs=(self.tok.worker_spec(), self.options, os.getpid()))
+        return lambda chunk: self.executor.submit(encode_in_worker, chunk)
+
+    def __exit__(self, *exc) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+# ---------------------------------------------------------------------------
+# command line
+
+
+def summary_table(manifest: dict, seconds: float | None = None, processed: dict | None = None) -> str:
+    rows = [("split", "shards", "documents", "sequences", "tokens")]
+    for name, split in manifest["splits"].items():
+        rows.append((name, str(len(split["shards"])), f"{split['documents']:,}", f"{split['sequences']:,}",
+                     f"{split['tokens']:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    skipped = ", ".join(f"{k} {v:,}" for k, v in {**manifest["skipped"], **manifest["repaired"]}.items() if v)
+    lines.append(f"dtype {manifest['dtype']}, vocab {manifest['tokenizer']['vocab_size']:,}; "
+                 f"skipped/repaired: {skipped or 'nothing'}")
+    valid = manifest["splits"].get("valid")
+    if valid is not None and valid["documents"] == 0 and manifest["settings"]["valid_fraction"] > 0:
+        lines.append("note: the valid split is empty (too few documents for --valid-fraction)")
+    if seconds is not None and processed is not None:
+        s = max(seconds, 1e-9)
+        lines.append(f"{seconds:,.1f} s: {processed['documents'] / s:,.0f} documents/s, "
+                     f"{processed['tokens'] / s:,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m preprocessing.shard", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", nargs="+", action="extend", required=True, metavar="GLOB",
+                        help="text/JSONL/JSON/Parquet files, save_to_disk dirs, globs; .gz/.bz2/.xz/.zst ok")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer dir (preprocessing.tokenizer, or a HF one)")
+    parser.add_argument("--out", required=True, help="shard directory to write (or resume)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="tokenizer processes (default: all cores; 0: tokenize in this process)")
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+    parser.add_argument("--valid-fraction", type=float, default=DEFAULT_VALID_FRACTION)
+    parser.add_argument("--split-seed", type=int, default=0, help="key of the train/valid document hash")
+    parser.add_argument("--slice", default=None, metavar="i/N", help="process the i-th (from 0) of N input slices")
+    parser.add_argument("--strict", action="store_true", help="invalid UTF-8 is an error instead of replaced")
+    parser.add_argument("--text-field", default="text", help="field holding the text in JSON/Parquet/Arrow inputs")
+    parser.add_argument("--block-bytes", type=int, default=1 << 20, help="input bytes per unit of work")
+    parser.add_argument("--checkpoint-every", type=int, default=64, help="chunks between checkpoints")
+    parser.add_argument("--overwrite", action="store_true", help="replace shards made with other inputs/settings")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    args = parser.parse_args(argv)
+    shard_corpus(args.input, args.tokenizer, args.out, args.workers, args.shard_tokens, args.valid_fraction,
+                 args.slice, args.strict, args.text_field, args.split_seed, args.block_bytes,
+                 checkpoint_every=args.checkpoint_every, overwrite=args.overwrite, progress=args.progress,
+                 report=print)
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,48 @@
+"""Run the trainer as users do: the ``deepspeed`` launcher (or torchrun) with 2 CPU ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_CONFIG = REPO / "configs" / "tiny_cpu.yaml"
+
+
+def env() -> dict:
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def train_command(launcher: str, nproc: int = 2) -> list[str]:
+    bin_dir = Path(sys.executable).parent
+    if launcher == "deepspeed":
+        return [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--module", "convbert_ds.train"]
+    if launcher == "torchrun":
+        return [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", "29531",
+                "-m", "convbert_ds.train"]
+    raise ValueError(launcher)
+
+
+def run_training(run_dir: Path, shards: Path, *overrides: str, launcher: str = "deepspeed", nproc: int = 2,
+                 extra_env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    command = train_command(launcher, nproc) + [
+        "--config", str(TINY_CONFIG), f"data.sets=[{{path: '{shards}', weight: 1.0}}]",
+        f"checkpoint.dir={run_dir / 'checkpoints'}", f"log.dir={run_dir / 'logs'}", "log.interval=1", *overrides]
+    return subprocess.run(command, cwd=REPO, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def train_metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if row["split"] == "train"]
+
+
+def check(result: subprocess.CompletedProcess) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    return output

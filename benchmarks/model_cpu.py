@@ -6,7 +6,7 @@ memory (bytes of the distinct tensors autograd keeps for backward; this is
 what grows with batch and sequence length, and it is measured exactly rather
 than read off a noisy process RSS).
 
-    python benchmarks/model_cpu.py [--preset small] [--batch 16] [--seq 128] [--runs 7]
+    python benchmarks/model_cpu.py [--preset small] [--batch 16] [--seq 128] [--runs 7] [--threads 1]
 """
 
 from __future__ import annotations
@@ -42,7 +42,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (1 gives stable figures on a shared machine)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     config = preset(args.preset, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, sdconv_impl="torch")

@@ -5,7 +5,7 @@ same batches from the real data path (standard-library docstrings, tokenizer,
 shards, packing); steps alternate A B A B so machine noise hits both alike.
 Prints median step times and the engine's overhead.
 
-    python benchmarks/train_step.py [--preset small] [--batch 16] [--seq 128] [--steps 20]
+    python benchmarks/train_step.py [--preset small] [--batch 16] [--seq 128] [--steps 20] [--threads 1]
     python benchmarks/train_step.py --preset base --batch 64 --seq 128 --precision bf16   # on a GPU
 """
 
@@ -41,7 +41,11 @@ def main() -> None:
     parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--vocab-size", type=int, default=30522)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (1 gives stable figures on a shared machine)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
 
     import deepspeed

@@ -41,6 +41,17 @@ def _from_slurm() -> dict[str, str]:
     }
 
 
+def _mpirun_inside_slurm() -> bool:
+    """``mpirun`` in a Slurm job starts its ranks through ``srun`` (one task per node), so they
+    inherit that step's SLURM_PROCID/SLURM_NTASKS, which are not their ranks; ``srun --mpi=pmi2``
+    tasks carry the same numbers in both."""
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK"))
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE"))
+    if rank is None and size is None:
+        return False
+    return (rank, size) != (os.environ["SLURM_PROCID"], os.environ["SLURM_NTASKS"])
+
+
 def _from_mpi() -> dict[str, str]:
     from mpi4py import MPI
 
@@ -64,7 +75,8 @@ def discover() -> str:
     if all(v in os.environ for v in ("RANK", "WORLD_SIZE")):
         os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", "0"))
         launcher = "torch"
-    elif "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_STEP_ID" in os.environ:
+    elif (all(v in os.environ for v in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID"))
+          and not _mpirun_inside_slurm()):
         os.environ.update(_from_slurm())
         launcher = "slurm"
     elif any(v in os.environ for v in _MPI_MARKERS):

@@ -164,18 +164,33 @@ class Trainer:
             return False
 
     # Setup (after the process group exists) -------------------------------------
+    def _initial_plain_model(self):
+        """The plain model, from published weights when ``model.init_from_hf`` is set."""
+        from convbert_ds.model import ElectraForPretraining
+
+        model = ElectraForPretraining(self.electra)
+        if self.cfg.model.init_from_hf:
+            from convbert_ds.convert.from_hf import load_init_weights
+
+            fresh = load_init_weights(model, self.cfg.model.init_from_hf)
+            if dist.get_rank() == 0:
+                print(f"initialised from {self.cfg.model.init_from_hf}; fresh: {len(fresh)} tensors "
+                      f"({', '.join(fresh[:4])}{' ...' if len(fresh) > 4 else ''})", flush=True)
+        return model
+
     def _build_model(self):
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         if self.pipelined:
-            from convbert_ds.pipeline import build_pipeline_module
+            from convbert_ds.pipeline import build_pipeline_module, load_plain_state_dict
 
-            return build_pipeline_module(self.electra, cfg.pipeline.stages, cfg.pipeline.partition_method,
-                                         activation_checkpoint_interval=1 if cfg.train.activation_checkpointing
-                                         else 0, seed=cfg.train.seed)
-        from convbert_ds.model import ElectraForPretraining
-
-        model = ElectraForPretraining(self.electra)
+            module = build_pipeline_module(self.electra, cfg.pipeline.stages, cfg.pipeline.partition_method,
+                                           activation_checkpoint_interval=1 if cfg.train.activation_checkpointing
+                                           else 0, seed=cfg.train.seed)
+            if cfg.model.init_from_hf:
+                load_plain_state_dict(module, self._initial_plain_model().state_dict())
+            return module
+        model = self._initial_plain_model()
         for module in model.modules():
             if hasattr(module, "gradient_checkpointing"):
                 module.gradient_checkpointing = cfg.train.activation_checkpointing
@@ -311,9 +326,8 @@ class Trainer:
         if self.is_logger:
             print(f"saved checkpoint {self.ckpt_dir / tag}", flush=True)
 
-    def train(self) -> int:
+    def train(self, preemption: Preemption) -> int:
         cfg, t = self.cfg, self.cfg.train
-        preemption = Preemption()
         batches = iter(self.train_loader)
         nonfinite_in_a_row, saved_at = 0, self.step
         while self.step < t.steps:
@@ -383,6 +397,7 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    preemption = Preemption()  # first, so a signal during start-up is remembered, not fatal
     # DeepSpeed calls torch.distributed APIs that torch marks deprecated, once per step.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     launcher = distributed.discover()
@@ -398,14 +413,15 @@ def main(argv: list[str] | None = None) -> int:
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        # A task bound to one GPU (--gpus-per-task) sees only that one.
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     if dist.get_rank() == 0:
         print(f"launcher={launcher} world_size={dist.get_world_size()} backend={backend} "
               f"precision={trainer.precision} zero_stage={trainer.ds_config.get('zero_optimization', {}).get('stage', 0)} "
               f"pipeline_stages={cfg.pipeline.stages} grad_accum={trainer.grad_accum}", flush=True)
     trainer.setup()
-    code = trainer.train()
+    code = trainer.train(preemption)
     if dist.get_rank() == 0 and code == 0:
         print(f"done: {trainer.step} steps; checkpoints in {trainer.ckpt_dir}; logs in {cfg.log_dir}", flush=True)
     dist.barrier()

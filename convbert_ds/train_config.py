@@ -40,6 +40,9 @@ class ModelSection:
     rtd_weight: float = 50.0
     mask_prob: float = 0.15
     overrides: dict = field(default_factory=dict)  # any ModelConfig field, e.g. {num_hidden_layers: 2}
+    # Continue pretraining a published model: a directory written by
+    # `python -m convbert_ds.convert --from-hf HF_DIR --out INIT_DIR`; its config replaces preset/overrides.
+    init_from_hf: str | None = None
 
 
 @dataclass
@@ -237,6 +240,8 @@ def precision_of(cfg: TrainConfig, ds_config: dict) -> str:
 
 def electra_config(cfg: TrainConfig, vocab_size: int, special_ids: dict) -> ElectraConfig:
     """The model, sized to the tokenizer the shards were made with."""
+    if cfg.model.init_from_hf:
+        return _electra_from_init(cfg, vocab_size, special_ids)
     overrides = dict(cfg.model.overrides)
     if overrides.get("vocab_size", vocab_size) != vocab_size:
         raise ConfigError(f"model.overrides.vocab_size={overrides['vocab_size']} but the shards' tokenizer has "
@@ -249,6 +254,27 @@ def electra_config(cfg: TrainConfig, vocab_size: int, special_ids: dict) -> Elec
         discriminator=disc, generator=generator_config(disc, mult) if cfg.model.objective == "electra" else None,
         objective=cfg.model.objective, rtd_weight=cfg.model.rtd_weight, mask_prob=cfg.model.mask_prob,
         mask_token_id=special_ids["mask"],
+        special_token_ids=tuple(special_ids[k] for k in ("pad", "cls", "sep")))
+
+
+def _electra_from_init(cfg: TrainConfig, vocab_size: int, special_ids: dict) -> ElectraConfig:
+    from convbert_ds.convert.from_hf import init_generator_config, init_model_config
+
+    body = init_model_config(cfg.model.init_from_hf)
+    if body.vocab_size != vocab_size:
+        raise ConfigError(f"model.init_from_hf={cfg.model.init_from_hf!r} has vocab_size={body.vocab_size} but the "
+                          f"shards' tokenizer has {vocab_size}; shard the corpus with "
+                          f"--tokenizer {cfg.model.init_from_hf}/tokenizer")
+    if cfg.data.seq_len > body.max_position_embeddings:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the initial model's max_position_embeddings="
+                          f"{body.max_position_embeddings}")
+    generator = None
+    if cfg.model.objective == "electra":
+        mult = cfg.model.generator_multiplier or preset_generator_multiplier(cfg.model.preset)
+        generator = init_generator_config(cfg.model.init_from_hf) or generator_config(body, mult)
+    return ElectraConfig(
+        discriminator=body, generator=generator, objective=cfg.model.objective, rtd_weight=cfg.model.rtd_weight,
+        mask_prob=cfg.model.mask_prob, mask_token_id=special_ids["mask"],
         special_token_ids=tuple(special_ids[k] for k in ("pad", "cls", "sep")))
 
 

@@ -68,7 +68,13 @@ def main(argv: list[str] | None = None) -> None:
           f"(generator MLM {mean(head, 'mlm_loss'):.2f} -> {mean(tail, 'mlm_loss'):.2f}, "
           f"discriminator RTD {mean(head, 'rtd_loss'):.3f} -> {mean(tail, 'rtd_loss'):.3f})")
     print(f"checkpoints: {checkpoints}  (latest: {(checkpoints / 'latest').read_text().strip()})")
-    print(f"logs: {logs} (TensorBoard events, metrics.jsonl; plot: python -m convbert_ds.plot {logs})")
+    print(f"logs: {logs} (TensorBoard events, metrics.jsonl; plot: python -m convbert_ds.plot {logs})\n")
+
+    hf = work / "hf"
+    _run([python, "-m", "convbert_ds.convert", "--checkpoint", str(checkpoints), "--out", str(hf), "--verify",
+          "--force"])
+    print(f"HuggingFace ConvBERT: {hf / 'discriminator'} (AutoModel) and {hf / 'generator'} "
+          f"(AutoModelForMaskedLM), with their tokenizer")
 
 
 if __name__ == "__main__":

@@ -144,6 +144,13 @@ class Trainer:
         first = train_splits[0]
         self.tokenizer_info = first.tokenizer
         self.electra = electra_config(cfg, first.vocab_size, first.special_ids)
+        if cfg.model.init_from_hf:
+            from convbert_ds.convert.from_hf import read_init
+
+            init_sha = read_init(cfg.model.init_from_hf)["tokenizer"]["sha256"]
+            if init_sha != self.tokenizer_info.get("sha256"):
+                raise ConfigError(f"model.init_from_hf={cfg.model.init_from_hf!r}: the shards were made with another "
+                                  f"tokenizer; shard the corpus with --tokenizer {cfg.model.init_from_hf}/tokenizer")
         self.precision = precision_of(cfg, base_ds)
         if self.precision == "fp16" and not torch.cuda.is_available():
             raise ConfigError("fp16 needs a GPU (DeepSpeed refuses fp16 on CPU); use train.precision=bf16 or fp32")

@@ -122,3 +122,28 @@ def test_missing_shards_is_one_clear_line(tmp_path):
                             cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "manifest.json not found" in result.stderr
+
+
+def test_continue_pretraining_from_a_transformers_model(tiny_corpus, tmp_path):
+    """model.init_from_hf: a transformers ConvBERT body (converted with --from-hf) seeds the discriminator."""
+    import torch
+    import transformers
+
+    from convbert_ds.config import preset
+    from convbert_ds.convert import convert_from_hf
+    from convbert_ds.data.shards import open_split
+
+    vocab = open_split(tiny_corpus["shards"], "train").vocab_size
+    body = preset("tiny", vocab_size=vocab, max_position_embeddings=128)
+    torch.manual_seed(3)
+    published = transformers.ConvBertModel(transformers.ConvBertConfig(**body.to_hf_dict(["ConvBertModel"])))
+    published.save_pretrained(tmp_path / "published")
+    convert_from_hf(tmp_path / "published", tmp_path / "init", tokenizer=tiny_corpus["tokenizer"])
+    output = check(run_training(tmp_path / "run", tiny_corpus["shards"], f"model.init_from_hf={tmp_path / 'init'}",
+                                "train.steps=2", "eval.interval=0", "train.lr=0"))
+    assert "initialised from" in output
+    from convbert_ds.convert import open_checkpoint, read_state_dict
+
+    weights, _ = read_state_dict(open_checkpoint(tmp_path / "run" / "checkpoints"))
+    name = "encoder.layer.1.attention.self.conv_kernel_layer.weight"
+    assert torch.equal(weights[f"discriminator.convbert.{name}"], published.state_dict()[name])

@@ -1,0 +1,214 @@
+"""A transformers ConvBERT directory -> an INIT_DIR the trainer can start pretraining from.
+
+    python -m convbert_ds.convert --from-hf HF_DIR [--from-hf-generator GEN_DIR] [--objective electra|mlm]
+                                  [--tokenizer DIR] --out INIT_DIR
+
+INIT_DIR (format ``convbert_ds.init`` version 1):
+
+    model.safetensors   ``ElectraForPretraining`` parameter names, each tensor once (tied names are
+                        implied: the generator's embeddings and LM-head matrix are the discriminator's
+                        embeddings). electra: ``discriminator.convbert.*`` from HF_DIR's body,
+                        ``discriminator.discriminator_predictions.*`` when HF_DIR has an RTD head
+                        (``rtd_head.safetensors`` as this converter writes it, or inside its weights),
+                        ``generator.*`` from GEN_DIR (its embeddings must equal the body's).
+                        mlm: ``generator.convbert.*`` and, when HF_DIR is a ConvBertForMaskedLM, its head.
+    init.json           {"format", "format_version", "objective", "model": ModelConfig dict (the main body),
+                         "generator": ModelConfig dict or null, "tensors": [names in model.safetensors],
+                         "tokenizer": {"dir": "tokenizer", kind, vocab_size, special_ids, sha256},
+                         "sources": {...}, "notes": [...]}
+    tokenizer/          the tokenizer files (HF_DIR's, or --tokenizer's): shard corpora with
+                        ``python -m preprocessing.shard --tokenizer INIT_DIR/tokenizer``
+    README.md
+
+Whatever model.safetensors lacks (the generator unless GEN_DIR is given; the RTD head unless HF_DIR has
+one) is initialised fresh: ``load_init_weights`` returns those names.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from convbert_ds.config import OBJECTIVES, ElectraConfig, ModelConfig
+from convbert_ds.convert.reader import ConvertError
+from convbert_ds.convert.to_hf import RTD_HEAD_FILE, check_out, share_like_umask, tokenizer_files
+from convbert_ds.model.hf_io import WeightsError, read_weights, write_atomically
+
+INIT_FORMAT, INIT_FORMAT_VERSION, INIT_FILE, WEIGHTS_FILE = "convbert_ds.init", 1, "init.json", "model.safetensors"
+_RTD = "discriminator_predictions."
+
+
+def _rtd_head(hf_dir: Path, hidden_size: int) -> dict[str, torch.Tensor]:
+    if (hf_dir / RTD_HEAD_FILE).is_file():
+        head = load_file(str(hf_dir / RTD_HEAD_FILE))
+    else:
+        head = {k: v for k, v in read_weights(hf_dir).items() if k.startswith(_RTD)}
+    expected = {"dense.weight": (hidden_size, hidden_size), "dense.bias": (hidden_size,),
+                "dense_prediction.weight": (1, hidden_size), "dense_prediction.bias": (1,)}
+    if not head:
+        return {}
+    for key, shape in expected.items():
+        tensor = head.get(_RTD + key)
+        if tensor is None or tuple(tensor.shape) != shape:
+            raise WeightsError(f"{hf_dir}: RTD head tensor {_RTD}{key} has shape "
+                               f"{None if tensor is None else tuple(tensor.shape)} but the model needs {shape}")
+    return {_RTD + key: head[_RTD + key] for key in expected}
+
+
+def _tied_groups(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Canonical parameter name -> every name of that tensor."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return {names[0]: names for names in groups.values()}
+
+
+def convert_from_hf(hf_dir, out, generator_dir=None, objective: str = "electra", tokenizer=None,
+                    force: bool = False) -> dict:
+    """Write INIT_DIR (see the module docstring); returns its init.json."""
+    from convbert_ds.model import ConvBertForMaskedLM, ConvBertModel, ElectraForPretraining
+    from preprocessing.tokenizer import load_tokenizer
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    if objective not in OBJECTIVES:
+        raise ConvertError(f"--objective {objective!r}: use one of {OBJECTIVES}")
+    if objective == "mlm" and generator_dir is not None:
+        raise ConvertError("--from-hf-generator needs --objective electra (an mlm model has no separate generator)")
+    check_out(out, force)
+    for directory in (hf_dir, generator_dir):
+        if directory is not None and not (Path(directory) / "config.json").is_file():
+            raise ConvertError(f"{Path(directory) / 'config.json'} not found: not a transformers model directory")
+    tokenizer_dir = Path(tokenizer) if tokenizer is not None else hf_dir
+    if not tokenizer_files(tokenizer_dir):
+        raise ConvertError(f"{tokenizer_dir} holds no tokenizer files (vocab.txt, tokenizer.json, ...); "
+                           "pass --tokenizer DIR")
+
+    body = ConvBertModel.from_hf_pretrained(hf_dir)
+    weights, notes, generator_config = {}, [], None
+    if objective == "mlm":
+        has_head = any(k.startswith("generator_predictions.") for k in read_weights(hf_dir))
+        source = ConvBertForMaskedLM.from_hf_pretrained(hf_dir) if has_head else body
+        prefix = "generator." if has_head else "generator.convbert."
+        weights.update({prefix + k: v for k, v in source.state_dict().items() if k != "generator_lm_head.weight"})
+    else:
+        weights.update({f"discriminator.convbert.{k}": v for k, v in body.state_dict().items()})
+        weights.update({f"discriminator.{k}": v for k, v in _rtd_head(hf_dir, body.config.hidden_size).items()})
+        if generator_dir is not None:
+            generator = ConvBertForMaskedLM.from_hf_pretrained(generator_dir)
+            generator_config = generator.config
+            ElectraConfig(discriminator=body.config, generator=generator_config)  # shared-embedding checks
+            state = generator.state_dict()
+            if any(not torch.equal(v, weights[f"discriminator.{k}"]) for k, v in state.items()
+                   if k.startswith("convbert.embeddings.")):
+                notes.append(f"{generator_dir}'s embedding tables differ from {hf_dir}'s; the generator shares "
+                             f"the discriminator's, so {hf_dir}'s were kept")
+            weights.update({f"generator.{k}": v for k, v in state.items()
+                            if not k.startswith("convbert.embeddings.") and k != "generator_lm_head.weight"})
+
+    tok_files = tokenizer_files(tokenizer_dir)
+    init = {"format": INIT_FORMAT, "format_version": INIT_FORMAT_VERSION, "objective": objective,
+            "model": body.config.to_dict(), "generator": generator_config.to_dict() if generator_config else None,
+            "tensors": sorted(weights), "tokenizer": None,
+            "sources": {"body": str(hf_dir), "generator": str(generator_dir) if generator_dir else None,
+                        "tokenizer": str(tokenizer_dir)},
+            "notes": notes}
+
+    def fill(tmp: Path) -> None:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / "tokenizer").mkdir()
+        for path in tok_files:
+            shutil.copyfile(path, tmp / "tokenizer" / path.name)
+        tok = load_tokenizer(tmp / "tokenizer")
+        if tok.vocab_size > body.config.vocab_size:
+            raise ConvertError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+                               f"{body.config.vocab_size}; pass --tokenizer DIR with the model's own tokenizer")
+        if tok.special_ids["pad"] != body.config.pad_token_id:
+            notes.append(f"config.json's pad_token_id={body.config.pad_token_id} but the tokenizer's [PAD] is "
+                         f"{tok.special_ids['pad']}; the config's value was kept")
+        init["tokenizer"] = {"dir": "tokenizer", **tok.describe()}
+        (tmp / INIT_FILE).write_text(json.dumps(init, indent=2) + "\n")
+        (tmp / "README.md").write_text(_readme(init))
+        share_like_umask(tmp)
+
+    # Fail now, not at the trainer's start, if the weights do not fit a model built from init.json.
+    with torch.device("meta"):
+        model = ElectraForPretraining(_electra_for_check(init))
+    _match(model, weights, "the converted weights")
+    write_atomically(out, fill)
+    return init
+
+
+def _electra_for_check(init: dict) -> ElectraConfig:
+    main = ModelConfig.from_dict(init["model"])
+    if init["objective"] == "mlm":
+        return ElectraConfig(discriminator=main, objective="mlm")
+    generator = ModelConfig.from_dict(init["generator"]) if init["generator"] else main
+    return ElectraConfig(discriminator=main, generator=generator)
+
+
+def _readme(init: dict) -> str:
+    fresh = "the generator" if init["objective"] == "electra" and not init["generator"] else "nothing named"
+    return (f"# convbert_ds init directory\n\nMade by `python -m convbert_ds.convert --from-hf` from "
+            f"`{init['sources']['body']}` (objective {init['objective']}). Start pretraining from it with "
+            "`model.init_from_hf: THIS_DIR` and shard corpora with "
+            "`python -m preprocessing.shard --tokenizer THIS_DIR/tokenizer`. Tensors not in model.safetensors "
+            f"(here: {fresh}, and the RTD head unless listed in init.json) start from fresh initialisation.\n")
+
+
+def read_init(init_dir) -> dict:
+    path = Path(init_dir) / INIT_FILE
+    if not path.is_file():
+        raise ConvertError(f"{path} not found: {init_dir} is not a directory made by "
+                           "`python -m convbert_ds.convert --from-hf HF_DIR --out INIT_DIR`")
+    init = json.loads(path.read_text())
+    if init.get("format") != INIT_FORMAT or init.get("format_version") != INIT_FORMAT_VERSION:
+        raise ConvertError(f"{path}: format {init.get('format')!r} v{init.get('format_version')} is not "
+                           f"{INIT_FORMAT!r} v{INIT_FORMAT_VERSION}; re-run the conversion")
+    return init
+
+
+def init_model_config(init_dir) -> ModelConfig:
+    """The main body's config (the discriminator; the masked LM for objective mlm)."""
+    return ModelConfig.from_dict(read_init(init_dir)["model"])
+
+
+def init_generator_config(init_dir) -> ModelConfig | None:
+    """The generator's config when INIT_DIR has generator weights, else None (the trainer picks one)."""
+    generator = read_init(init_dir)["generator"]
+    return ModelConfig.from_dict(generator) if generator else None
+
+
+@torch.no_grad()
+def load_init_weights(model, init_dir) -> list[str]:
+    """Copy INIT_DIR's weights into ``model`` (an ``ElectraForPretraining``); returns the canonical names of
+    the parameters left as initialised (tied names count once). Every tensor in the file must fit."""
+    init = read_init(init_dir)
+    if model.config.objective != init["objective"]:
+        raise ConvertError(f"{init_dir} was made for objective {init['objective']!r} but the model's is "
+                           f"{model.config.objective!r}; set model.objective accordingly or re-convert with "
+                           f"--objective {model.config.objective}")
+    path = Path(init_dir) / WEIGHTS_FILE
+    weights = load_file(str(path))
+    fresh = _match(model, weights, str(path))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, tensor in weights.items():
+        params[name].copy_(tensor)
+    return fresh
+
+
+def _match(model, weights: dict[str, torch.Tensor], where: str) -> list[str]:
+    """Check names and shapes; the canonical names of the parameters ``weights`` leaves untouched."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    unexpected = sorted(set(weights) - set(params))
+    if unexpected:
+        raise WeightsError(f"{where} holds tensors the model does not have: {unexpected[:8]}"
+                           f"{' ...' if len(unexpected) > 8 else ''}")
+    for name, param in params.items():  # in model order, so the first mismatch reported is the first one
+        if name in weights and tuple(weights[name].shape) != tuple(param.shape):
+            raise WeightsError(f"tensor {name} has shape {tuple(weights[name].shape)} in {where} but "
+                               f"{tuple(param.shape)} in the model")
+    return [canonical for canonical, names in _tied_groups(model).items() if not any(n in weights for n in names)]

@@ -1,0 +1,286 @@
+"""Reading a trainer checkpoint (any ZeRO stage, pipeline layer files, fp32/bf16/fp16) into one fp32
+state dict under ``ElectraForPretraining``'s parameter names.
+
+Where the weights come from:
+- ZeRO 1/2/3: the fp32 master weights, consolidated by DeepSpeed's own
+  ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``;
+- ZeRO 0: the module weights in ``mp_rank_00_model_states.pt`` (fp32 training), or, for bf16/fp16,
+  the optimizer's fp32 master copies, each checked to round to the module's weight;
+- pipeline: ``layer_XX-model_states.pt`` mapped through ``convbert_ds.pipeline.pipeline_layer_names``;
+  for bf16/fp16 with ZeRO-1 the fp32 masters of each stage, consolidated like ZeRO-1 above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from convbert_ds import checkpoint as ckpt_layout
+from convbert_ds.config import ConfigError, ElectraConfig
+
+
+class ConvertError(ValueError):
+    """Input the converter cannot use; the message names what is wrong and how to fix it."""
+
+
+@dataclass
+class Checkpoint:
+    root: Path  # the trainer's checkpoint.dir
+    tag: str
+    state: dict  # trainer_state.json
+    electra: ElectraConfig
+
+    @property
+    def directory(self) -> Path:
+        return self.root / self.tag
+
+    @property
+    def stages(self) -> int:
+        return int(self.state.get("pipeline_stages", 1))
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.state.get("zero_stage", 0))
+
+    @property
+    def precision(self) -> str:
+        return self.state.get("precision", "fp32")
+
+    @property
+    def world_size(self) -> int:
+        return int(self.state.get("world_size", 1))
+
+    def describe(self) -> str:
+        layout = f"pipeline ({self.stages} stages), ZeRO-{self.zero_stage}" if self.stages > 1 else \
+            f"ZeRO-{self.zero_stage}"
+        return f"{layout}, {self.world_size} ranks, {self.precision}"
+
+
+def open_checkpoint(checkpoint_dir, tag: str | None = None) -> Checkpoint:
+    """The trainer's ``checkpoint.dir`` (or one tag directory in it) and a tag (default: newest complete)."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        raise ConvertError(f"checkpoint directory {root} does not exist")
+    if tag is None and (root / ckpt_layout.TRAINER_STATE).is_file():
+        root, tag = root.parent, root.name
+    if tag is None:
+        tag = ckpt_layout.latest_complete(root)
+        if tag is None:
+            raise ConvertError(f"{root} holds no complete checkpoint (a stepNNNNNNNN directory with a "
+                               f"{ckpt_layout.COMPLETE} file); pass the trainer's checkpoint.dir")
+    path = root / tag
+    if not path.is_dir():
+        raise ConvertError(f"checkpoint tag {tag} not found in {root}; complete tags: "
+                           f"{ckpt_layout.complete_tags(root) or 'none'}")
+    if not (path / ckpt_layout.COMPLETE).is_file():
+        raise ConvertError(f"checkpoint {path} is incomplete (no {ckpt_layout.COMPLETE} file: its save was "
+                           f"interrupted); complete tags: {ckpt_layout.complete_tags(root) or 'none'}")
+    state_file = path / ckpt_layout.TRAINER_STATE
+    if not state_file.is_file():
+        raise ConvertError(f"{state_file} not found: not a checkpoint written by convbert_ds.train")
+    state = json.loads(state_file.read_text())
+    try:
+        electra = ElectraConfig(**state["electra_config"])
+    except (KeyError, TypeError, ConfigError) as error:
+        raise ConvertError(f"{state_file}: unusable electra_config ({error})") from None
+    return Checkpoint(root, tag, state, electra)
+
+
+def _layer_names(electra: ElectraConfig) -> dict[int, str]:
+    from convbert_ds.pipeline import pipeline_layer_names
+
+    return pipeline_layer_names(electra)
+
+
+def _optim_file(directory: Path, dp_rank: int, mp_rank: int, precision: str) -> str:
+    """DeepSpeed's name for one data-parallel rank's optimizer shard ("bf16_" in bf16 runs)."""
+    name = f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+    if precision == "bf16" and not (directory / name).is_file():
+        return "bf16_" + name
+    return name
+
+
+def expected_files(ckpt: Checkpoint) -> list[str]:
+    """Every file of ``ckpt.directory`` the conversion reads."""
+    d, precision = ckpt.directory, ckpt.precision
+    if ckpt.stages > 1:
+        files = [f"layer_{i:02d}-model_states.pt" for i in sorted(_layer_names(ckpt.electra))]
+        if precision != "fp32" and ckpt.zero_stage >= 1:
+            for stage in range(ckpt.stages):
+                files.append(f"mp_rank_{stage:02d}_model_states.pt")
+                files += [_optim_file(d, r, stage, precision) for r in range(ckpt.world_size // ckpt.stages)]
+        return files
+    if ckpt.zero_stage == 0:
+        return ["mp_rank_00_model_states.pt"]
+    ranks = range(ckpt.world_size)
+    if ckpt.zero_stage == 3:
+        models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks]
+    else:
+        models = ["mp_rank_00_model_states.pt"]
+    return models + [_optim_file(d, r, 0, precision) for r in ranks]
+
+
+def check_files(ckpt: Checkpoint) -> None:
+    missing = [name for name in expected_files(ckpt) if not (ckpt.directory / name).is_file()]
+    if missing:
+        raise ConvertError(f"checkpoint {ckpt.directory} ({ckpt.describe()}) is missing {len(missing)} file(s): "
+                           f"{', '.join(missing)}; copy the whole tag directory from every node")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """zero_to_fp32 prints progress to stdout and tqdm bars to stderr; keep both out of the CLI's output."""
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        yield
+
+
+def _zero_to_fp32(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        # The saved fp32 partitions require grad: consolidated with autograd on, every output would keep
+        # the whole mmapped optimizer files alive through its graph (as much memory again as the model).
+        with _quiet(), torch.no_grad():
+            return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    except Exception as error:  # noqa: BLE001 - DeepSpeed's reader fails in many ways on a damaged checkpoint
+        raise ConvertError(f"DeepSpeed could not consolidate {root / tag}: {type(error).__name__}: {error}") from None
+
+
+def _load(path: Path) -> dict:
+    # DeepSpeed's files pickle its own objects (enums, namedtuples), so they need the full unpickler.
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _zero0_masters(ckpt: Checkpoint, module: dict[str, torch.Tensor], optimizer: dict) -> dict[str, torch.Tensor]:
+    """bf16/fp16 without ZeRO: the fp16 optimizer's fp32 copies, in the order the trainer grouped them."""
+    from convbert_ds.model import ElectraForPretraining
+    from convbert_ds.train import param_groups
+
+    with torch.device("meta"):
+        model = ElectraForPretraining(ckpt.electra)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [[names[id(p)] for p in g["params"]] for g in param_groups(model, 0.0) if g["params"]]
+    if "fp32_groups" in optimizer:
+        saved = [list(g) for g in optimizer["fp32_groups"]]
+    else:
+        saved = [list(torch.split(flat, [module[n].numel() for n in group]))
+                 for flat, group in zip(optimizer["fp32_groups_flat"], groups)]
+    if [len(g) for g in saved] != [len(g) for g in groups]:
+        raise ConvertError(f"{ckpt.directory}: the optimizer's fp32 groups do not match the model's parameter "
+                           "groups; was it written by this version of convbert_ds.train?")
+    masters = {}
+    for group, tensors in zip(groups, saved):
+        for name, tensor in zip(group, tensors):
+            tensor = tensor.reshape(module[name].shape)
+            if not torch.equal(tensor.to(module[name].dtype), module[name]):
+                raise ConvertError(f"{ckpt.directory}: the fp32 master copy of {name} does not round to the "
+                                   "module's weight; the optimizer state does not belong to these weights")
+            masters[name] = tensor
+    return masters
+
+
+def _pipeline_masters(ckpt: Checkpoint, layer_names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """Per stage, DeepSpeed's ZeRO-1 consolidation run on a view holding only that stage's files."""
+    shared = next(p for p in layer_names.values() if p.endswith("convbert.embeddings."))
+    masters = {}
+    for stage in range(ckpt.stages):
+        with tempfile.TemporaryDirectory(prefix="convbert_ds-stage-") as view:
+            tag_dir = Path(view) / ckpt.tag
+            tag_dir.mkdir()
+            # A stage's model-states file keeps its weights in the layer files ("module" is None).
+            states = _load(ckpt.directory / f"mp_rank_{stage:02d}_model_states.pt")
+            torch.save({**states, "module": states.get("module") or {}}, tag_dir / "mp_rank_00_model_states.pt")
+            for rank in range(ckpt.world_size // ckpt.stages):
+                source = _optim_file(ckpt.directory, rank, stage, ckpt.precision)
+                os.symlink(ckpt.directory / source, tag_dir / source.replace(f"mp_rank_{stage:02d}", "mp_rank_00"))
+            for name, tensor in _zero_to_fp32(Path(view), ckpt.tag).items():
+                head, _, key = name.partition(".")
+                if head == "tied_modules":
+                    masters[shared + key.partition(".")[2]] = tensor
+                else:
+                    masters[layer_names[int(head)] + key] = tensor
+    return masters
+
+
+def _pipeline_state(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
+    layer_names = _layer_names(ckpt.electra)
+    weights = {}
+    for index, prefix in sorted(layer_names.items()):
+        layer = torch.load(ckpt.directory / f"layer_{index:02d}-model_states.pt", map_location="cpu",
+                           weights_only=True)
+        weights.update({prefix + key: tensor for key, tensor in layer.items()})
+    if ckpt.precision == "fp32":
+        return {k: v.float() for k, v in weights.items()}, "pipeline layer files (fp32)"
+    if ckpt.zero_stage == 0:
+        return {k: v.float() for k, v in weights.items()}, f"pipeline layer files ({ckpt.precision}, upcast)"
+    masters = _pipeline_masters(ckpt, layer_names)
+    for name, tensor in weights.items():
+        if name not in masters or not torch.equal(masters[name].to(tensor.dtype), tensor):
+            raise ConvertError(f"{ckpt.directory}: the fp32 master copy of {name} is missing or does not round to "
+                               "the layer file's weight; the optimizer shards do not belong to these layer files")
+    return {k: masters[k] for k in weights}, "fp32 master weights of the pipeline stages (ZeRO-1 shards)"
+
+
+def read_state_dict(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
+    """(fp32 weights under ``ElectraForPretraining`` names, incl. tied aliases; where they came from)."""
+    check_files(ckpt)
+    if ckpt.stages > 1:
+        weights, source = _pipeline_state(ckpt)
+    elif ckpt.zero_stage >= 1:
+        weights = _zero_to_fp32(ckpt.root, ckpt.tag)
+        source = f"fp32 master weights (ZeRO-{ckpt.zero_stage} shards, deepspeed.utils.zero_to_fp32)"
+    else:
+        states = _load(ckpt.directory / "mp_rank_00_model_states.pt")
+        module = states["module"]
+        if ckpt.precision == "fp32":
+            weights, source = {k: v.float() for k, v in module.items()}, "module weights (fp32)"
+        else:
+            weights = _zero0_masters(ckpt, module, states["optimizer"])
+            source = f"fp32 master weights of the {ckpt.precision} optimizer"
+    return complete_aliases(weights, ckpt.electra, f"checkpoint {ckpt.directory}"), source
+
+
+def complete_aliases(weights: dict[str, torch.Tensor], electra: ElectraConfig, where: str
+                     ) -> dict[str, torch.Tensor]:
+    """Check ``weights`` against the model the config builds and fill every tied name from its twin.
+
+    The generator shares the discriminator's embeddings and its LM head is the word-embedding table,
+    so one tensor has several names; a checkpoint may hold any one of them.
+    """
+    from convbert_ds.model import ElectraForPretraining
+
+    with torch.device("meta"):
+        model = ElectraForPretraining(electra)
+    aliases: dict[int, list[str]] = {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in params.items():
+        aliases.setdefault(id(param), []).append(name)
+    unexpected = sorted(set(weights) - set(params))
+    if unexpected:
+        raise ConvertError(f"{where} holds tensors the configured model does not have: {unexpected[:8]}"
+                           f"{' ...' if len(unexpected) > 8 else ''}; the config does not match the weights")
+    out, missing = {}, []
+    for names in aliases.values():
+        present = [n for n in names if n in weights]
+        if not present:
+            missing += names
+            continue
+        for name in names:
+            tensor = weights.get(name, weights[present[0]])
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ConvertError(f"{where}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but "
+                                   f"{tuple(params[name].shape)} in the model built from its config; the config "
+                                   "does not match the weights")
+            out[name] = tensor
+    if missing:
+        raise ConvertError(f"{where} lacks tensors of the configured model: {sorted(missing)[:8]}"
+                           f"{' ...' if len(missing) > 8 else ''}; the config does not match the weights")
+    return {name: out[name] for name in params}

@@ -1,0 +1,234 @@
+"""Writing ``ElectraForPretraining`` weights as standard transformers ConvBERT directories.
+
+    OUT/discriminator/   ConvBertModel: config.json, model.safetensors, rtd_head.safetensors,
+                         tokenizer files, README.md
+    OUT/generator/       ConvBertForMaskedLM (LM head written explicitly, equal to the word embeddings),
+                         tokenizer files, README.md
+    OUT/README.md        the model card
+
+``rtd_head.safetensors`` holds ELECTRA's replaced-token-detection head under ELECTRA's names
+(``discriminator_predictions.dense.{weight,bias}`` [H, H], ``discriminator_predictions.dense_prediction.
+{weight,bias}`` [1, H]): ``logits = dense_prediction(act(dense(last_hidden_state))).squeeze(-1)`` with
+``act`` = config.json's ``hidden_act``. transformers has no ConvBERT class for it, so it sits beside
+the body instead of inside ``model.safetensors``. An ``mlm``-objective checkpoint has no discriminator:
+OUT holds ``generator/`` alone, a ConvBertForMaskedLM of the main model's size.
+
+Tensors are written straight from the consolidated state dict (no model is built), and OUT appears by
+one rename of a finished temporary directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from convbert_ds.config import ElectraConfig, ModelConfig
+from convbert_ds.convert.reader import ConvertError, open_checkpoint, read_state_dict
+from convbert_ds.model.hf_io import write_atomically
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RTD_HEAD_FILE = "rtd_head.safetensors"
+_DISC, _RTD, _GEN = "discriminator.convbert.", "discriminator.discriminator_predictions.", "generator."
+
+
+def check_out(out: Path, force: bool) -> None:
+    """OUT is written whole or not at all; an existing one is replaced only on request."""
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"{out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ConvertError(f"{out} exists and is not empty; pass --force to replace it")
+
+
+def split_for_hf(weights: dict[str, torch.Tensor], electra: ElectraConfig) -> dict[str, dict[str, torch.Tensor]]:
+    """``ElectraForPretraining`` names -> {"discriminator": ConvBertModel names, "rtd_head": ELECTRA's
+    names, "generator": ConvBertForMaskedLM names}; the discriminator parts only for ELECTRA."""
+    parts = {"generator": {k[len(_GEN):]: v for k, v in weights.items() if k.startswith(_GEN)}}
+    if electra.objective == "electra":
+        parts["discriminator"] = {k[len(_DISC):]: v for k, v in weights.items() if k.startswith(_DISC)}
+        parts["rtd_head"] = {k[len("discriminator."):]: v for k, v in weights.items() if k.startswith(_RTD)}
+    return parts
+
+
+def hf_config(config: ModelConfig, architecture: str, dtype: str) -> dict:
+    hf = config.to_hf_dict([architecture])
+    hf["dtype"] = str(DTYPES[dtype]).removeprefix("torch.")
+    return hf
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, dtype: str) -> None:
+    """safetensors from views of the consolidated buffers (no copy); a tensor with two names is cloned once."""
+    seen, out = set(), {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().to(DTYPES[dtype]).contiguous()
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        out[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    save_file(out, str(path), metadata={"format": "pt"})
+
+
+def tokenizer_files(directory: Path) -> list[Path]:
+    from preprocessing.tokenizer import TOKENIZER_FILES
+
+    return [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
+
+
+def resolve_tokenizer(recorded: dict | None, override=None) -> Path:
+    """The tokenizer the checkpoint was trained with: ``override`` or the recorded dir, hash-checked."""
+    from preprocessing.tokenizer import tokenizer_sha256
+
+    if not recorded:
+        raise ConvertError("trainer_state.json records no tokenizer; pass --tokenizer DIR")
+    directory = Path(override if override is not None else recorded["dir"])
+    how = "--tokenizer" if override is not None else "the tokenizer dir recorded in trainer_state.json"
+    if not directory.is_dir() or not tokenizer_files(directory):
+        raise ConvertError(f"{how} {directory} is gone or holds no tokenizer files; pass --tokenizer DIR with a "
+                           f"copy of it (sha256 {recorded.get('sha256')})")
+    digest = tokenizer_sha256(directory)
+    if recorded.get("sha256") and digest != recorded["sha256"]:
+        raise ConvertError(f"{how} {directory} has sha256 {digest} but the checkpoint was trained with "
+                           f"{recorded['sha256']}; pass --tokenizer DIR with the tokenizer the shards were made with")
+    return directory
+
+
+@dataclass
+class CardFacts:
+    """What the model card says about where the weights came from."""
+
+    source: str
+    command: str
+    trainer_state: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def model_card(electra: ElectraConfig, facts: CardFacts, dtype: str, report: dict | None) -> str:
+    state = facts.trainer_state
+    tok = state.get("tokenizer") or {}
+    lines = ["---", "library_name: transformers", "tags: [convbert, electra, convbert_ds]", "---", "",
+             "# ConvBERT pretrained with convbert_ds", "",
+             f"Converted from {facts.source}.", ""]
+    if electra.objective == "electra":
+        lines += ["- `discriminator/`: `ConvBertModel` (the model to fine-tune); its replaced-token-detection head "
+                  f"is in `discriminator/{RTD_HEAD_FILE}` under ELECTRA's names (`discriminator_predictions."
+                  "dense`, `discriminator_predictions.dense_prediction`): `logits = dense_prediction(act(dense("
+                  "hidden))).squeeze(-1)`, `act` = `hidden_act`.",
+                  "- `generator/`: `ConvBertForMaskedLM`, the ELECTRA generator (embeddings shared with the "
+                  "discriminator; LM head = word embeddings, written out)."]
+    else:
+        lines += ["- `generator/`: `ConvBertForMaskedLM` (objective `mlm`: the main model is a masked LM; there is "
+                  "no discriminator)."]
+    lines += ["- Both load offline: `AutoModel.from_pretrained(dir, local_files_only=True)`, "
+              "`AutoTokenizer.from_pretrained(dir, local_files_only=True)`.", "", "## Training", ""]
+    for key, label in (("step", "steps"), ("tokens_seen", "tokens seen"), ("samples_seen", "samples seen"),
+                       ("precision", "precision"), ("zero_stage", "ZeRO stage"),
+                       ("pipeline_stages", "pipeline stages"), ("world_size", "ranks")):
+        if key in state:
+            value = state[key]
+            lines.append(f"- {label}: {value:,}" if isinstance(value, int) else f"- {label}: {value}")
+    for entry in state.get("data_sets") or []:
+        manifest = Path(entry["path"]) / "manifest.json"
+        digest = _sha256(manifest) if manifest.is_file() else "not found at conversion time"
+        lines.append(f"- data: `{entry['path']}` (weight {entry.get('weight')}, manifest.json sha256 {digest})")
+    if tok:
+        lines.append(f"- tokenizer: {tok.get('kind')}, vocab {tok.get('vocab_size')}, special ids "
+                     f"{tok.get('special_ids')}, sha256 {tok.get('sha256')}")
+    lines += ["", "## Model config", "", "| | " + " | ".join(_models(electra)) + " |",
+              "|---|" + "---|" * len(_models(electra))]
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_ratio",
+                 "intermediate_size", "embedding_size", "conv_kernel_size", "num_groups", "hidden_act",
+                 "max_position_embeddings", "pad_token_id"):
+        lines.append(f"| {name} | " + " | ".join(str(getattr(c, name)) for c in _models(electra).values()) + " |")
+    lines += ["", "## Conversion", "", f"```\n{facts.command}\n```", "",
+              f"Weights: {dtype}. {' '.join(facts.notes)}".rstrip(), ""]
+    if report:
+        lines.append("Verified against transformers (max abs difference, fp32): "
+                     + ", ".join(f"{k} {v:.2e}" for k, v in report.items()) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def _models(electra: ElectraConfig) -> dict[str, ModelConfig]:
+    if electra.objective == "electra":
+        return {"discriminator": electra.discriminator, "generator": electra.generator}
+    return {"generator (mlm)": electra.discriminator}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, tokenizer_dir, facts: CardFacts,
+             dtype: str = "fp32", verify: bool = False, force: bool = False) -> dict | None:
+    """Write OUT (see the module docstring); with ``verify``, compare against transformers before the rename."""
+    out = Path(out)
+    if dtype not in DTYPES:
+        raise ConvertError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    check_out(out, force)
+    parts = split_for_hf(weights, electra)
+    tokenizer_dir = Path(tokenizer_dir)
+    report = {}
+
+    def fill(tmp: Path) -> None:
+        gen_config = electra.generator if electra.objective == "electra" else electra.discriminator
+        dirs = {"generator": (gen_config, "ConvBertForMaskedLM")}
+        if electra.objective == "electra":
+            dirs["discriminator"] = (electra.discriminator, "ConvBertModel")
+        for name, (config, architecture) in dirs.items():
+            target = tmp / name
+            target.mkdir()
+            save_tensors(parts[name], target / "model.safetensors", dtype)
+            (target / "config.json").write_text(json.dumps(hf_config(config, architecture, dtype), indent=2,
+                                                           sort_keys=True) + "\n")
+            for path in tokenizer_files(tokenizer_dir):
+                shutil.copyfile(path, target / path.name)
+        if electra.objective == "electra":
+            save_tensors(parts["rtd_head"], tmp / "discriminator" / RTD_HEAD_FILE, dtype)
+        if verify:
+            from convbert_ds.convert.verify import verify_output
+
+            report.update(verify_output(tmp, weights, electra, dtype, tokenizer_dir))
+        card = model_card(electra, facts, dtype, report or None)
+        for target in [tmp, *(tmp / name for name in dirs)]:
+            (target / "README.md").write_text(card)
+        share_like_umask(tmp)
+
+    write_atomically(out, fill)
+    return report or None
+
+
+def share_like_umask(directory: Path) -> None:
+    """Temporary directories and safetensors files are private (0700/0600); give OUT the umask's modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def convert_checkpoint(checkpoint_dir, out, tag: str | None = None, dtype: str = "fp32", verify: bool = False,
+                       force: bool = False, tokenizer=None, command: str | None = None) -> dict | None:
+    """DeepSpeed checkpoint -> OUT (transformers dirs). Returns the verification report (max abs diffs)."""
+    out = Path(out)
+    check_out(out, force)
+    ckpt = open_checkpoint(checkpoint_dir, tag)
+    tokenizer_dir = resolve_tokenizer(ckpt.state.get("tokenizer"), tokenizer)
+    weights, source = read_state_dict(ckpt)
+    if command is None:
+        command = " ".join(["python -m convbert_ds.convert", "--checkpoint", str(ckpt.root), "--tag", ckpt.tag,
+                            "--out", str(out), "--dtype", dtype] + (["--verify"] if verify else []))
+    facts = CardFacts(source=f"`{ckpt.directory}` ({ckpt.describe()}; weights: {source})", command=command,
+                      trainer_state=ckpt.state)
+    return write_hf(out, weights, ckpt.electra, tokenizer_dir, facts, dtype=dtype, verify=verify, force=force)
+
+
+def export_model(model, out, tokenizer_dir, dtype: str = "fp32", verify: bool = False,
+                 force: bool = False) -> dict | None:
+    """An in-memory ``ElectraForPretraining`` -> OUT, as ``convert_checkpoint`` writes it."""
+    weights = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    facts = CardFacts(source=f"an in-memory {type(model).__name__}", command="convbert_ds.convert.export_model(...)")
+    return write_hf(out, weights, model.config, tokenizer_dir, facts, dtype=dtype, verify=verify, force=force)

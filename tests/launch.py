@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,20 @@ def env() -> dict:
             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
+def free_port() -> str:
+    """A port nobody listens on now, so tests never collide with another run's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def train_command(launcher: str, nproc: int = 2) -> list[str]:
     bin_dir = Path(sys.executable).parent
     if launcher == "deepspeed":
-        return [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--module", "convbert_ds.train"]
+        return [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", free_port(),
+                "--module", "convbert_ds.train"]
     if launcher == "torchrun":
-        return [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", "29531",
+        return [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", free_port(),
                 "-m", "convbert_ds.train"]
     raise ValueError(launcher)
 

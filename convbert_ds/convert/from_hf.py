@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from convbert_ds.config import OBJECTIVES, ElectraConfig, ModelConfig
 from convbert_ds.convert.reader import ConvertError
-from convbert_ds.convert.to_hf import RTD_HEAD_FILE, check_out, share_like_umask, tokenizer_files
+from convbert_ds.convert.to_hf import RTD_HEAD_FILE, check_out, tokenizer_files
 from convbert_ds.model.hf_io import WeightsError, read_weights, write_atomically
 
 INIT_FORMAT, INIT_FORMAT_VERSION, INIT_FILE, WEIGHTS_FILE = "convbert_ds.init", 1, "init.json", "model.safetensors"
@@ -132,7 +132,6 @@ def convert_from_hf(hf_dir, out, generator_dir=None, objective: str = "electra",
         init["tokenizer"] = {"dir": "tokenizer", **tok.describe()}
         (tmp / INIT_FILE).write_text(json.dumps(init, indent=2) + "\n")
         (tmp / "README.md").write_text(_readme(init))
-        share_like_umask(tmp)
 
     # Fail now, not at the trainer's start, if the weights do not fit a model built from init.json.
     with torch.device("meta"):

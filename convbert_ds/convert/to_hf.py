@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,19 +194,9 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
         card = model_card(electra, facts, dtype, report or None)
         for target in [tmp, *(tmp / name for name in dirs)]:
             (target / "README.md").write_text(card)
-        share_like_umask(tmp)
 
     write_atomically(out, fill)
     return report or None
-
-
-def share_like_umask(directory: Path) -> None:
-    """Temporary directories and safetensors files are private (0700/0600); give OUT the umask's modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def convert_checkpoint(checkpoint_dir, out, tag: str | None = None, dtype: str = "fp32", verify: bool = False,

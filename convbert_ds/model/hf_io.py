@@ -86,6 +86,15 @@ def _unshared_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
 
 
+def _share_like_umask(directory: Path) -> None:
+    """Temporary directories and safetensors files are private (0700/0600); give the result the umask's modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def write_atomically(directory, fill) -> Path:
     """Create ``directory`` by calling ``fill(tmp_dir)`` then renaming, so a crash never leaves half a model."""
     directory = Path(directory)
@@ -93,6 +102,7 @@ def write_atomically(directory, fill) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         fill(tmp)
+        _share_like_umask(tmp)
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
             os.replace(directory, old)

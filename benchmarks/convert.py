@@ -60,7 +60,7 @@ def write_checkpoint_rank(checkpoint_dir: Path, tokenizer_dir: Path) -> None:
     from convbert_ds import checkpoint
     from convbert_ds.config import ElectraConfig
     from convbert_ds.model import ElectraForPretraining
-    from convbert_ds.train import param_groups
+    from convbert_ds.optim import param_groups
     from preprocessing.tokenizer import load_tokenizer
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

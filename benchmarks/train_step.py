@@ -3,7 +3,9 @@
 One process, one rank. Both models start from the same weights and see the
 same batches from the real data path (standard-library docstrings, tokenizer,
 shards, packing); steps alternate A B A B so machine noise hits both alike.
-Prints median step times and the engine's overhead.
+Prints median step times and the engine's overhead. With --precision bf16 each side
+runs its usual recipe: DeepSpeed's (bf16 weights, fp32 master copy in the optimizer) against
+the plain loop's torch.autocast over fp32 weights.
 
     python benchmarks/train_step.py [--preset small] [--batch 16] [--seq 128] [--steps 20] [--threads 1]
     python benchmarks/train_step.py --preset base --batch 64 --seq 128 --precision bf16   # on a GPU
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -46,7 +49,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+    with socket.socket() as free:  # a port nobody listens on, so two runs on one machine never collide
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 
     import deepspeed
 
@@ -54,7 +60,7 @@ def main() -> None:
     from convbert_ds.data.loader import build_dataloader
     from convbert_ds.flops import device_peak_tflops, training_flops_per_sample
     from convbert_ds.model import ElectraForPretraining
-    from convbert_ds.train import param_groups
+    from convbert_ds.optim import param_groups
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -31,6 +31,7 @@ from convbert_ds.config import ConfigError
 from convbert_ds.data.loader import build_dataloader, parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split
 from convbert_ds.flops import device_peak_tflops, training_flops_per_sample
+from convbert_ds.optim import param_groups
 from convbert_ds.train_config import TrainConfig, electra_config, load_config, precision_of, validate
 
 EXIT_PREEMPTED = 3
@@ -60,17 +61,6 @@ def build_ds_config(cfg: TrainConfig, base: dict, grad_accum: int, precision: st
         ds["fp16"].setdefault("loss_scale", 0)  # dynamic loss scaling
         ds["fp16"].setdefault("initial_scale_power", 16)
     return ds
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and LayerNorm weights (as ELECTRA)."""
-    decay, no_decay, seen = [], [], set()
-    for name, param in model.named_parameters():
-        if not param.requires_grad or id(param) in seen:
-            continue
-        seen.add(id(param))
-        (no_decay if param.dim() == 1 or "LayerNorm" in name else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 class Preemption:

@@ -4,7 +4,8 @@
 # cbd_start NAME CONFIG [key=value ...]   environment, per-job log directory, rendezvous address
 # cbd_check_config WORLD_SIZE             the trainer's own validation, before any rank starts
 # cbd_check_nodes PROCS_PER_NODE          every node: processes vs GPUs, checkpoint dir writable + shared
-# cbd_run COMMAND...                      run the training step, forwarding SIGUSR1/SIGTERM to it
+# cbd_run COMMAND...                      run the training step; SIGUSR1/SIGTERM reach it as SIGUSR1
+# cbd_gpus_on_node                        GPUs on this node (Slurm's allocation, else nvidia-smi)
 # cbd_finish                              exit, or requeue the job when the trainer was preempted
 
 EXIT_PREEMPTED=3  # convbert_ds.train: checkpoint saved after SIGUSR1/SIGTERM
@@ -131,14 +132,21 @@ PY
   cbd_log "config $CBD_CONFIG valid for $world processes; checkpoints in $CBD_CKPT_DIR"
 }
 
+# GPUs on this node: Slurm's allocation, else what nvidia-smi lists, else 0.
+cbd_gpus_on_node() {
+  if [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then
+    echo "$SLURM_GPUS_ON_NODE"
+  elif command -v nvidia-smi >/dev/null; then
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+  else
+    echo 0
+  fi
+}
+
 # Runs on every node (one task each): GPUs vs processes, and a file in the checkpoint directory.
 cbd_node_check() {
-  local procs=$1 dir=$2 node=${SLURMD_NODENAME:-$(hostname -s)} gpus=0
-  if [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then
-    gpus=$SLURM_GPUS_ON_NODE
-  elif command -v nvidia-smi >/dev/null; then
-    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-  fi
+  local procs=$1 dir=$2 node=${SLURMD_NODENAME:-$(hostname -s)} gpus
+  gpus=$(cbd_gpus_on_node)
   if [ "$gpus" -gt 0 ] && [ "$procs" -gt "$gpus" ]; then
     echo "error: node $node has $gpus GPU(s) for $procs processes; ask for one task per GPU" \
       "(--ntasks-per-node=$gpus) or more GPUs (--gpus-per-node=$procs)" >&2

@@ -335,31 +335,18 @@ def test_slurm_script_by_hand_and_its_env_variable(runs, tmp_path):
     assert missing.returncode == 2 and "CONVBERT_DS_ENV" in missing.stderr
 
 
-def test_slurm_job_converts_on_a_real_cluster(runs, tmp_path_factory):
-    from slurm_cluster import SlurmCluster, SlurmUnavailable
-
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        cluster.start()
-    except SlurmUnavailable as error:
-        pytest.skip(str(error))
-    except BaseException:
-        cluster.stop()
-        raise
-    try:
-        workdir = tmp_path_factory.mktemp("submit")
-        job_env = {**cluster.env(env()), "CONVBERT_DS_ENV": str(Path(sys.executable).parent / "activate")}
-        jobs = {}
-        for name, args in (("good", ["--checkpoint", str(runs["zero3"]), "--out", "hf", "--verify"]),
-                           ("bad", ["--checkpoint", "nowhere", "--out", "hf2"])):
-            out = cluster.run("sbatch", "--parsable", "--cpus-per-task=1", "--time=10",
-                              str(REPO / "slurm" / "convert.sbatch"), *args, cwd=workdir, env=job_env).stdout
-            jobs[name] = out.strip().split(";")[0]
-        good, bad = (cluster.wait_job(jobs[name], 300) for name in ("good", "bad"))
-        log = "".join(p.read_text() for p in workdir.glob("*.out"))
-        assert (good["JobState"], good["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
-        assert (workdir / "hf" / "discriminator" / "model.safetensors").is_file()
-        assert "verified: max abs difference" in log
-        assert (bad["JobState"], bad["ExitCode"]) == ("FAILED", "2:0") and "convert error:" in log
-    finally:
-        cluster.stop()
+def test_slurm_job_converts_on_a_real_cluster(runs, cluster, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("submit")
+    job_env = {**cluster.env(env()), "CONVBERT_DS_ENV": str(Path(sys.executable).parent / "activate")}
+    jobs = {}
+    for name, args in (("good", ["--checkpoint", str(runs["zero3"]), "--out", "hf", "--verify"]),
+                       ("bad", ["--checkpoint", "nowhere", "--out", "hf2"])):
+        out = cluster.run("sbatch", "--parsable", "--cpus-per-task=1", "--time=10",
+                          str(REPO / "slurm" / "convert.sbatch"), *args, cwd=workdir, env=job_env).stdout
+        jobs[name] = out.strip().split(";")[0]
+    good, bad = (cluster.wait_job(jobs[name], 300) for name in ("good", "bad"))
+    log = "".join(p.read_text() for p in workdir.glob("*.out"))
+    assert (good["JobState"], good["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    assert (workdir / "hf" / "discriminator" / "model.safetensors").is_file()
+    assert "verified: max abs difference" in log
+    assert (bad["JobState"], bad["ExitCode"]) == ("FAILED", "2:0") and "convert error:" in log

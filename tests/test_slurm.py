@@ -15,27 +15,13 @@ from pathlib import Path
 import pytest
 
 from launch import REPO, TINY_CONFIG, env as launch_env
-from slurm_cluster import SlurmCluster, SlurmUnavailable
+from slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.slow
 
 STEPS = 40
 SRUN_SHAPE = ("--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--time=30")
 DEEPSPEED_SHAPE = ("--ntasks-per-node=1", "--gpus-per-node=2", "--cpus-per-task=2", "--time=30")
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    slurm = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        slurm.start()
-    except SlurmUnavailable as error:
-        pytest.skip(str(error))
-    except BaseException:
-        slurm.stop()
-        raise
-    yield slurm
-    slurm.stop()
 
 
 def job_env(cluster: SlurmCluster, **extra: str) -> dict:
@@ -140,6 +126,32 @@ def test_pretrain_deepspeed_sbatch_matches_srun(cluster, tiny_corpus, reference,
     same_steps(train_rows(tmp_path / "run"), reference["rows"])
 
 
+def test_deepspeed_sbatch_preemption_requeues_and_resumes_exactly(cluster, tiny_corpus, reference, tmp_path):
+    """USR1 through the deepspeed launcher's job: the trainers checkpoint (the launchers ignore the
+    signal), the job requeues, resumes, and ends with the uninterrupted run's per-step metrics."""
+    job = submit(cluster, tmp_path, "pretrain_deepspeed.sbatch", *train_args(tiny_corpus["shards"], tmp_path / "run"),
+                 options=DEEPSPEED_SHAPE)
+    step = preempt(cluster, tmp_path, job, 2, "--signal=USR1", "--batch")
+    info = expect_completed(cluster, job, tmp_path)
+    log = job_log(tmp_path, job)
+    assert info["Restarts"] == "1" and "preempted; requeueing job" in log, log[-4000:]
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/step{step:08d} at step {step}" in log
+    same_steps(train_rows(tmp_path / "run"), reference["rows"])
+
+
+def preempt(cluster: SlurmCluster, workdir: Path, job: str, after_step: int, *scancel: str) -> int:
+    """Once the run in ``workdir`` passed ``after_step``, signal ``job``; the step it checkpointed at."""
+    wait_for(lambda: train_rows(workdir / "run") and train_rows(workdir / "run")[-1]["step"] >= after_step, 240,
+             f"training did not reach step {after_step}")
+
+    def saved() -> list[int]:
+        return [int(s) for s in re.findall(r"preempted at step (\d+)", job_log(workdir, job))]
+
+    seen = len(saved())
+    cluster.run("scancel", *scancel, job)
+    return wait_for(lambda: saved()[seen:], 120, f"job {job} did not checkpoint")[0]
+
+
 def test_preemption_requeue_limit_and_cancel_all_resume_exactly(cluster, tiny_corpus, reference, tmp_path):
     """One training run cut three times, then finished:
     1. USR1 to the batch script -> checkpoint, requeue, the requeued job resumes;
@@ -150,15 +162,7 @@ def test_preemption_requeue_limit_and_cancel_all_resume_exactly(cluster, tiny_co
     preempted: list[int] = []
 
     def interrupt(job: str, after_step: int, *scancel: str) -> None:
-        wait_for(lambda: train_rows(run) and train_rows(run)[-1]["step"] >= after_step, 240,
-                 f"training did not reach step {after_step}")
-
-        def saved() -> list[int]:
-            return [int(s) for s in re.findall(r"preempted at step (\d+)", job_log(tmp_path, job))]
-
-        seen = len(saved())
-        cluster.run("scancel", *scancel, job)
-        preempted.append(wait_for(lambda: saved()[seen:], 120, f"job {job} did not checkpoint")[0])
+        preempted.append(preempt(cluster, tmp_path, job, after_step, *scancel))
 
     first = submit(cluster, tmp_path, "pretrain.sbatch", *args, options=SRUN_SHAPE,
                    env=job_env(cluster, CONVBERT_DS_MAX_REQUEUES="1"))

@@ -162,7 +162,7 @@ def _load(path: Path) -> dict:
 def _zero0_masters(ckpt: Checkpoint, module: dict[str, torch.Tensor], optimizer: dict) -> dict[str, torch.Tensor]:
     """bf16/fp16 without ZeRO: the fp16 optimizer's fp32 copies, in the order the trainer grouped them."""
     from convbert_ds.model import ElectraForPretraining
-    from convbert_ds.train import param_groups
+    from convbert_ds.optim import param_groups
 
     with torch.device("meta"):
         model = ElectraForPretraining(ckpt.electra)

@@ -3,6 +3,7 @@
 from convbert_ds.model.convbert import (
     ConvBertForMaskedLM,
     ConvBertForPreTraining,
+    ConvBertForSequenceClassification,
     ConvBertModel,
     InputError,
 )
@@ -11,6 +12,6 @@ from convbert_ds.model.hf_io import WeightsError
 from convbert_ds.model.sdconv import dynamic_conv, dynamic_conv_reference
 
 __all__ = [
-    "ConvBertForMaskedLM", "ConvBertForPreTraining", "ConvBertModel", "ElectraForPretraining", "InputError",
+    "ConvBertForMaskedLM", "ConvBertForPreTraining", "ConvBertForSequenceClassification", "ConvBertModel", "ElectraForPretraining", "InputError",
     "PretrainingOutput", "WeightsError", "dynamic_conv", "dynamic_conv_reference", "mask_tokens",
 ]

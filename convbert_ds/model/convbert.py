@@ -5,9 +5,13 @@ transformers' classes of the same names and share their parameter names, so
 ``from_hf_pretrained`` / ``save_hf_pretrained`` move weights without renaming.
 ``ConvBertForPreTraining`` adds ELECTRA's replaced-token-detection head
 (``discriminator_predictions.dense`` / ``.dense_prediction``, ELECTRA's names).
+``ConvBertForSequenceClassification`` is transformers' class of that name (fine-tuning).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
@@ -61,7 +65,11 @@ class HFInterop:
 
     def save_hf_pretrained(self, directory, extra_files: dict[str, bytes] | None = None) -> None:
         """Write a directory transformers loads with ``from_pretrained`` (atomic: temp dir + rename)."""
-        hf_io.save(self, directory, self.hf_architecture, extra_files)
+        hf_io.save(self, directory, self.hf_architecture, extra_files, self.hf_config_extra())
+
+    def hf_config_extra(self) -> dict:
+        """config.json entries beyond the body's ModelConfig (a head's labels, say)."""
+        return {}
 
 
 class ConvBertModel(HFInterop, nn.Module):
@@ -170,3 +178,71 @@ class ConvBertForPreTraining(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.discriminator_predictions(self.convbert(input_ids, attention_mask, token_type_ids))
+
+
+class ConvBertClassificationHead(nn.Module):
+    """transformers' ConvBERT sentence head: [CLS] state, dropout, dense, activation, dropout, projection."""
+
+    def __init__(self, config: ModelConfig, num_labels: int, dropout: float):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(dropout)
+        self.act = activation(config.hidden_act)
+        self.out_proj = nn.Linear(config.hidden_size, num_labels)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(hidden_states[:, 0])
+        return self.out_proj(self.dropout(self.act(self.dense(x))))
+
+
+class ConvBertForSequenceClassification(HFInterop, nn.Module):
+    """Body + classification (or, with one label, regression) head. Returns logits ``[B, num_labels]``.
+
+    ``label_names`` become ``id2label`` in config.json; ``classifier_dropout`` None means
+    ``hidden_dropout_prob``, as in transformers.
+    """
+
+    hf_architecture = "ConvBertForSequenceClassification"
+    hf_prefix = "convbert."
+
+    def __init__(self, config: ModelConfig, label_names: list[str] | None = None, num_labels: int | None = None,
+                 classifier_dropout: float | None = None):
+        super().__init__()
+        if label_names is None and num_labels is None:
+            raise ValueError("ConvBertForSequenceClassification needs label_names (classification) or num_labels=1")
+        self.config = config
+        self.label_names = list(label_names) if label_names is not None else None
+        self.num_labels = len(self.label_names) if self.label_names is not None else num_labels
+        self.classifier_dropout = classifier_dropout
+        self.convbert = ConvBertModel(config)
+        dropout = config.hidden_dropout_prob if classifier_dropout is None else classifier_dropout
+        self.classifier = ConvBertClassificationHead(config, self.num_labels, dropout)
+        self.classifier.apply(lambda m: init_weights(m, config.initializer_range))
+
+    @property
+    def is_regression(self) -> bool:
+        return self.label_names is None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.classifier(self.convbert(input_ids, attention_mask, token_type_ids))
+
+    def hf_config_extra(self) -> dict:
+        names = self.label_names or ["LABEL_0"]
+        return {"id2label": {str(i): name for i, name in enumerate(names)},
+                "label2id": {name: i for i, name in enumerate(names)},
+                "problem_type": "regression" if self.is_regression else "single_label_classification",
+                "classifier_dropout": self.classifier_dropout}
+
+    @classmethod
+    def from_hf_pretrained(cls, directory, **config_overrides):
+        """A ``ConvBertForSequenceClassification`` directory (labels read from its config.json)."""
+        with open(Path(directory) / "config.json") as f:
+            hf = json.load(f)
+        id2label = hf.get("id2label") or {}
+        regression = hf.get("problem_type") == "regression"
+        names = None if regression else [id2label[str(i)] for i in range(len(id2label))]
+        model = cls(hf_io.read_config(directory, **config_overrides), label_names=names,
+                    num_labels=1 if regression else None, classifier_dropout=hf.get("classifier_dropout"))
+        hf_io.load_weights(model, directory, prefix=cls.hf_prefix)
+        return model

@@ -116,11 +116,12 @@ def write_atomically(directory, fill) -> Path:
     return directory
 
 
-def save(model: torch.nn.Module, directory, architecture: str, extra_files: dict[str, bytes] | None = None) -> Path:
+def save(model: torch.nn.Module, directory, architecture: str, extra_files: dict[str, bytes] | None = None,
+         extra_config: dict | None = None) -> Path:
     config = model.config
     if not isinstance(config, ModelConfig):
         raise ConfigError(f"cannot save {type(model).__name__}: it has no ModelConfig")
-    hf_config = config.to_hf_dict([architecture])
+    hf_config = {**config.to_hf_dict([architecture]), **(extra_config or {})}
     hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
 
     def fill(tmp: Path) -> None:

@@ -1,0 +1,92 @@
+"""The fine-tuning recipe: ConvBERT's Table 6, with ELECTRA's ``configure_finetuning.py`` for what it leaves out.
+
+Table 6: Adam (beta 0.9 / 0.999, eps 1e-6), layer-wise LR decay 0.8, linear decay, warm-up fraction 0.1,
+dropout 0.1, batch 32. ELECTRA: learning rate by model size (3e-4 small, 1e-4 base, 5e-5 large), weight
+decay 0.01, 3 epochs (10 for RTE and STS-B, the small tasks), max length 128, gradient clipping at 1.0.
+Every field can be set on the command line; ``None`` means "the default for this task and model", which
+``resolve`` fills in once, so results.json records the numbers that actually ran.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from convbert_ds.config import ModelConfig
+from convbert_ds.finetune.errors import FinetuneError
+
+PRECISIONS = ("auto", "fp32", "bf16")
+_LONG_TASKS = ("rte", "stsb")  # ELECTRA trains these small sets for 10 epochs instead of 3
+
+
+@dataclass
+class Recipe:
+    learning_rate: float | None = None
+    layerwise_lr_decay: float = 0.8
+    weight_decay: float = 0.01
+    warmup_fraction: float = 0.1
+    epochs: float | None = None
+    batch_size: int = 32
+    eval_batch_size: int = 128
+    max_seq_length: int = 128
+    dropout: float | None = None
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-6
+    grad_clip: float = 1.0
+    seeds: int = 1
+    first_seed: int = 0
+    precision: str = "auto"
+    examples_per_class: int | None = None
+    max_train_examples: int | None = None
+    save_steps: int = 200
+
+    def validate(self) -> None:
+        checks = [
+            ("learning_rate", self.learning_rate is None or self.learning_rate > 0, "a positive number, e.g. 1e-4"),
+            ("layerwise_lr_decay", 0 < self.layerwise_lr_decay <= 1, "in (0, 1]; 1 turns the decay off"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0, e.g. 0.01"),
+            ("warmup_fraction", 0 <= self.warmup_fraction < 1, "in [0, 1), e.g. 0.1"),
+            ("epochs", self.epochs is None or self.epochs > 0, "a positive number, e.g. 3"),
+            ("batch_size", self.batch_size >= 1, "a positive integer, e.g. 32"),
+            ("eval_batch_size", self.eval_batch_size >= 1, "a positive integer"),
+            ("max_seq_length", self.max_seq_length >= 4, "at least 4 (room for [CLS] and [SEP])"),
+            ("dropout", self.dropout is None or 0 <= self.dropout < 1, "a probability in [0, 1)"),
+            ("adam_epsilon", self.adam_epsilon > 0, "a positive number, e.g. 1e-6"),
+            ("grad_clip", self.grad_clip >= 0, ">= 0 (0 turns clipping off)"),
+            ("seeds", self.seeds >= 1, "at least 1"),
+            ("first_seed", self.first_seed >= 0, ">= 0"),
+            ("precision", self.precision in PRECISIONS, f"one of {PRECISIONS}"),
+            ("examples_per_class", self.examples_per_class is None or self.examples_per_class >= 1, ">= 1"),
+            ("max_train_examples", self.max_train_examples is None or self.max_train_examples >= 1, ">= 1"),
+            ("save_steps", self.save_steps >= 1, "a positive number of steps"),
+        ]
+        for name, ok, fix in checks:
+            if not ok:
+                raise FinetuneError(f"--{name.replace('_', '-')}={getattr(self, name)!r}: must be {fix}")
+
+    def resolve(self, task_name: str, model: ModelConfig, cuda: bool) -> "Recipe":
+        """Fill the task- and model-dependent defaults; check the result against the model."""
+        self.validate()
+        resolved = dataclasses.replace(
+            self,
+            learning_rate=self.learning_rate or default_learning_rate(model.hidden_size),
+            epochs=self.epochs or (10.0 if task_name in _LONG_TASKS else 3.0),
+            dropout=model.hidden_dropout_prob if self.dropout is None else self.dropout,
+            precision=("bf16" if cuda else "fp32") if self.precision == "auto" else self.precision)
+        if resolved.max_seq_length > model.max_position_embeddings:
+            raise FinetuneError(f"--max-seq-length={resolved.max_seq_length}: the model has only "
+                                f"max_position_embeddings={model.max_position_embeddings}; use at most that")
+        if resolved.precision == "bf16" and not cuda:
+            raise FinetuneError("--precision=bf16 needs a CUDA GPU; use fp32 (the default) on CPU")
+        return resolved
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_learning_rate(hidden_size: int) -> float:
+    """ELECTRA's fine-tuning rates: small (256) 3e-4, base (768) 1e-4, large (1024) 5e-5."""
+    if hidden_size < 512:
+        return 3e-4
+    return 1e-4 if hidden_size <= 768 else 5e-5

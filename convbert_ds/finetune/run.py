@@ -1,0 +1,190 @@
+"""A fine-tuning run over several seeds, and what it leaves in OUT.
+
+    OUT/run.json            the resolved settings (task source, model, init, recipe); a rerun with other
+                            settings is refused, a rerun with the same ones resumes
+    OUT/seeds/seedN.json    one finished seed: {"seed", "history": [...per epoch...], "final": {split: metrics}}
+    OUT/seeds/seedN.jsonl   its per-step training log ({"step", "loss", "lr"})
+    OUT/state/seedN/        the unfinished seed's resumable state (deleted when the seed finishes)
+    OUT/converted/TAG/      a training checkpoint converted for fine-tuning (when --model is one)
+    OUT/best/               the best seed's model: transformers ConvBertForSequenceClassification with its
+                            tokenizer and id2label, written atomically whenever a seed beats the best so far
+    OUT/results.json        the metric per seed, their median, the command and the model it started from
+    OUT/results.md          the same as a Markdown table
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from convbert_ds import distributed
+from convbert_ds.finetune.batches import encode
+from convbert_ds.finetune.errors import FinetuneError
+from convbert_ds.finetune.loop import Placement, train_seed
+from convbert_ds.finetune.model_source import initial_model, resolve_model
+from convbert_ds.finetune.recipe import Recipe
+from convbert_ds.finetune.tasks import TaskData
+
+SEEDS_DIR, STATE_DIR, BEST_DIR = "seeds", "state", "best"
+
+
+@dataclass
+class RunSpec:
+    task: TaskData
+    model: str  # --model as given
+    out: Path
+    recipe: Recipe
+    random_init: bool = False
+    command: str = ""
+    force: bool = False  # delete OUT's previous run first
+
+
+def select_train(task: TaskData, recipe: Recipe, seed: int = 0) -> list:
+    """``--examples-per-class`` / ``--max-train-examples``: one seeded subset, the same for every fine-tuning
+    seed and for the random-init baseline, so low-resource results compare like with like."""
+    examples = task.train
+    if recipe.examples_per_class is None and recipe.max_train_examples is None:
+        return examples
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    picked, per_class = [], {}
+    for i in order:
+        label = examples[i].label if task.task_type == "classification" else None
+        if recipe.examples_per_class is not None and task.task_type == "classification":
+            if per_class.get(label, 0) >= recipe.examples_per_class:
+                continue
+            per_class[label] = per_class.get(label, 0) + 1
+        picked.append(i)
+        if recipe.max_train_examples is not None and len(picked) >= recipe.max_train_examples:
+            break
+    return [examples[i] for i in sorted(picked)]
+
+
+def _placement() -> Placement:
+    distributed.discover()
+    world, rank = distributed.world_size(), distributed.rank()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return Placement(device, rank, world)
+
+
+def _settings(spec: RunSpec, recipe: Recipe, model_description: str) -> dict:
+    return {"task": {"name": spec.task.name, "type": spec.task.task_type, "labels": spec.task.label_names,
+                     "metric": spec.task.metric, "source": spec.task.source},
+            "model": spec.model, "model_resolved": model_description,
+            "init": "random" if spec.random_init else "pretrained", "recipe": recipe.to_dict()}
+
+
+def _check_resume(out: Path, settings: dict) -> None:
+    path = out / "run.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        changed = sorted(k for k in settings if before.get(k) != settings[k])
+        if changed:
+            raise FinetuneError(f"--out {out} holds a run with different {', '.join(changed)}; use another --out, "
+                                "or --force to start over there")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def _primary(task: TaskData, result: dict) -> float:
+    return result[next(iter(task.evals))][task.metric]
+
+
+def _save_best(model, source_dir: Path, out: Path, command: str, seed: int, final: dict) -> None:
+    from convbert_ds.convert.to_hf import tokenizer_files
+
+    extra = {p.name: p.read_bytes() for p in tokenizer_files(source_dir)}
+    card = (f"# Fine-tuned ConvBERT (seed {seed})\n\nDev metrics: `{json.dumps(final)}`\n\n"
+            f"Made by:\n\n```\n{command}\n```\n")
+    extra["README.md"] = card.encode()
+    model.save_hf_pretrained(out / BEST_DIR, extra_files=extra)
+
+
+def _report(spec: RunSpec, settings: dict, seeds: list[dict]) -> dict:
+    task = spec.task
+    primary_split = next(iter(task.evals))
+    values = [_primary(task, s["final"]) for s in seeds]
+    best = max(seeds, key=lambda s: _primary(task, s["final"]))
+    results = {**settings, "command": spec.command, "primary": {"split": primary_split, "metric": task.metric},
+               "seeds": [{"seed": s["seed"], "final": s["final"], "history": s["history"]} for s in seeds],
+               "median": statistics.median(values), "best_seed": best["seed"], "best_dir": str(spec.out / BEST_DIR)}
+    results["median_by_metric"] = {
+        split: {name: statistics.median(s["final"][split][name] for s in seeds) for name in seeds[0]["final"][split]}
+        for split in seeds[0]["final"]}
+    (spec.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (spec.out / "results.md").write_text(markdown_table(results))
+    return results
+
+
+def markdown_table(results: dict) -> str:
+    splits = list(results["median_by_metric"])
+    columns = [(split, name) for split in splits for name in results["median_by_metric"][split]]
+    head = "| seed | " + " | ".join(f"{split} {name}" for split, name in columns) + " |"
+    rows = [head, "|" + " --- |" * (len(columns) + 1)]
+    for s in results["seeds"]:
+        rows.append(f"| {s['seed']} | " + " | ".join(f"{s['final'][a][b]:.4f}" for a, b in columns) + " |")
+    rows.append("| median | " + " | ".join(f"{results['median_by_metric'][a][b]:.4f}" for a, b in columns) + " |")
+    task = results["task"]
+    return (f"# {task['name']}: {results['init']} init from `{results['model']}`\n\n" + "\n".join(rows) + "\n\n"
+            f"Primary metric: {results['primary']['split']} {results['primary']['metric']}, median "
+            f"{results['median']:.4f} over {len(results['seeds'])} seed(s); best seed {results['best_seed']} "
+            f"in `{results['best_dir']}`.\n\nCommand: `{results['command']}`\n")
+
+
+def run(spec: RunSpec) -> dict | None:
+    """Fine-tune every seed (resuming finished and unfinished ones); returns results.json's content on rank 0."""
+    from transformers import AutoTokenizer
+
+    place = _placement()
+    out = spec.out
+    if place.main:
+        if spec.force and out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        source = resolve_model(spec.model, out)
+    place.barrier()
+    if not place.main:
+        source = resolve_model(spec.model, out, convert=False)
+    recipe = spec.recipe.resolve(spec.task.name, source.config, place.device.type == "cuda")
+    settings = _settings(spec, recipe, source.description)
+    if place.main:
+        _check_resume(out, settings)
+        (out / SEEDS_DIR).mkdir(exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(source.hf_dir), local_files_only=True)
+    task = spec.task
+    train = encode(tokenizer, task, select_train(task, recipe), recipe.max_seq_length)
+    evals = {split: encode(tokenizer, task, examples, recipe.max_seq_length) for split, examples in task.evals.items()}
+    labels = task.label_names if task.task_type == "classification" else None
+
+    finished = []
+    for seed in range(recipe.first_seed, recipe.first_seed + recipe.seeds):
+        done = out / SEEDS_DIR / f"seed{seed}.json"
+        if done.is_file():
+            finished.append(json.loads(done.read_text()))
+            continue
+        model = initial_model(source, labels, recipe.dropout, seed, spec.random_init)
+        history = train_seed(model, task, train, evals, recipe, seed, place, out / STATE_DIR / f"seed{seed}",
+                             out / SEEDS_DIR / f"seed{seed}.jsonl")
+        result = {"seed": seed, "history": history, "final": history[-1]["metrics"]}
+        if place.main:
+            if not finished or _primary(task, result["final"]) > max(_primary(task, s["final"]) for s in finished):
+                _save_best(model, source.hf_dir, out, spec.command, seed, result["final"])
+            (done.parent / f".{done.name}.tmp").write_text(json.dumps(result, indent=2) + "\n")
+            os.replace(done.parent / f".{done.name}.tmp", done)
+            shutil.rmtree(out / STATE_DIR / f"seed{seed}", ignore_errors=True)
+        place.barrier()
+        finished.append(result)
+    return _report(spec, settings, finished) if place.main else None

@@ -1,4 +1,4 @@
-"""Render a run's loss curves to a PNG.
+"""Render a run's loss curves (and its downstream scores, with ``eval.downstream``) to a PNG.
 
     python -m convbert_ds.plot LOG_DIR [--out curves.png]
 
@@ -31,8 +31,12 @@ def plot(log_dir: Path, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(log_dir)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (key, title) in zip(axes.flat, PANELS):
+    downstream = [r for r in rows if r.get("split") == "downstream" and r.get("score") is not None]
+    fig, axes = plt.subplots(2, 3 if downstream else 2, figsize=(16 if downstream else 11, 7))
+    if downstream:
+        _plot_downstream(axes[0, 2], downstream)
+        axes[1, 2].axis("off")
+    for ax, (key, title) in zip([a for a in axes.flat if not a.has_data() and a.axison], PANELS):
         for split, style in (("train", "-"), ("valid", "o-")):
             points = [(r["step"], r[key]) for r in rows if r.get("split") == split and r.get(key) is not None]
             if points:
@@ -46,6 +50,19 @@ def plot(log_dir: Path, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return out
+
+
+def _plot_downstream(ax, rows: list[dict]) -> None:
+    """The probe's score per checkpoint, against the random-init baseline: does pretraining transfer?"""
+    rows = sorted(rows, key=lambda r: r["step"])
+    ax.plot([r["step"] for r in rows], [r["score"] for r in rows], "o-", label="pretrained", markersize=4)
+    baseline = next((r["random_init"] for r in rows if r.get("random_init") is not None), None)
+    if baseline is not None:
+        ax.axhline(baseline, color="gray", linestyle="--", label="random init")
+    ax.set_title("downstream score (fine-tuned)")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 def main(argv: list[str] | None = None) -> int:

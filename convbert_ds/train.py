@@ -30,9 +30,17 @@ from convbert_ds import checkpoint, distributed
 from convbert_ds.config import ConfigError
 from convbert_ds.data.loader import build_dataloader, parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split
+from convbert_ds.downstream_probe import DownstreamProbes
 from convbert_ds.flops import device_peak_tflops, training_flops_per_sample
 from convbert_ds.optim import param_groups
-from convbert_ds.train_config import TrainConfig, electra_config, load_config, precision_of, validate
+from convbert_ds.train_config import (
+    DownstreamSection,
+    TrainConfig,
+    electra_config,
+    load_config,
+    precision_of,
+    validate,
+)
 
 EXIT_PREEMPTED = 3
 
@@ -226,6 +234,8 @@ class Trainer:
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.peak_tflops = device_peak_tflops(name, cfg.train.peak_tflops)
         self.log = MetricsLog(cfg.log_dir, self.step, self.is_logger)
+        self.probes = DownstreamProbes(cfg.eval.downstream if self.is_logger else DownstreamSection(), cfg.log_dir,
+                                       lambda step, row: self.log.write(step, row, prefix="downstream"))
 
     def _resume(self):
         if dist.get_rank() == 0:
@@ -322,6 +332,7 @@ class Trainer:
         tag = checkpoint.save(self.engine, self.ckpt_dir, self.step, state, self.cfg.checkpoint.keep_last)
         if self.is_logger:
             print(f"saved checkpoint {self.ckpt_dir / tag}", flush=True)
+            self.probes.after_save(self.step, self.ckpt_dir / tag)
 
     def train(self, preemption: Preemption) -> int:
         cfg, t = self.cfg, self.cfg.train
@@ -332,6 +343,7 @@ class Trainer:
             metrics, nonfinite = (self._pipeline_step if self.pipelined else self._plain_step)(batches)
             self.step += 1
             elapsed = time.perf_counter() - start
+            self.probes.poll()
             self.nonfinite_total += nonfinite
             nonfinite_in_a_row = nonfinite_in_a_row + 1 if nonfinite else 0
             if nonfinite_in_a_row >= t.max_nonfinite_in_a_row:
@@ -356,6 +368,7 @@ class Trainer:
             self.save()
         if cfg.eval.interval and self.step % cfg.eval.interval:
             self._log_eval()
+        self.probes.wait()
         self.log.close()
         return 0
 

@@ -81,9 +81,31 @@ class CheckpointSection:
 
 
 @dataclass
+class DownstreamSection:
+    """Transfer watched during pretraining: every ``interval`` steps (at a checkpoint) rank 0 fine-tunes
+    that checkpoint's discriminator on a task, in a separate low-priority process (convbert_ds.finetune),
+    and logs the score next to a random-init baseline measured once per run. ``interval`` 0 = off."""
+
+    interval: int = 0
+    glue_task: str | None = None
+    data_dir: str | None = None
+    train: str | None = None
+    validation: str | None = None
+    text_column: str = "text"
+    text_pair_column: str | None = None
+    label_column: str = "label"
+    task_type: str | None = None
+    finetune_args: list = field(default_factory=list)  # more finetune options, e.g. [--epochs, 2, --seeds, 3]
+    random_baseline: bool = True
+    nice: int = 10  # scheduling priority of the probe: the training ranks come first
+    threads: int = 1  # torch threads of the probe process
+
+
+@dataclass
 class EvalSection:
     interval: int = 1000
     samples: int = 1024
+    downstream: DownstreamSection = field(default_factory=DownstreamSection)
 
 
 @dataclass
@@ -309,4 +331,23 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[dict, int]:
         raise ConfigError("checkpoint.interval and checkpoint.keep_last must be >= 1")
     if cfg.data.seq_len < 8:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len}: must be at least 8")
+    _validate_downstream(cfg)
     return ds, t.global_batch_size // per_step
+
+
+def _validate_downstream(cfg: TrainConfig) -> None:
+    d = cfg.eval.downstream
+    if d.interval == 0:
+        return
+    if d.interval < 0 or d.interval % cfg.checkpoint.interval:
+        raise ConfigError(f"eval.downstream.interval={d.interval}: the probe fine-tunes a saved checkpoint, so use a "
+                          f"positive multiple of checkpoint.interval={cfg.checkpoint.interval} (0 turns it off)")
+    if bool(d.glue_task) == bool(d.train or d.validation):
+        raise ConfigError("eval.downstream: give either glue_task + data_dir or train + validation (a custom task "
+                          "as python -m convbert_ds.finetune takes it)")
+    files = [d.data_dir] if d.glue_task else [d.train, d.validation]
+    for name, value in zip(("data_dir",) if d.glue_task else ("train", "validation"), files):
+        if not value or not Path(value).exists():
+            raise ConfigError(f"eval.downstream.{name}={value!r}: not found; point it at the task's files")
+    if d.threads < 1 or not 0 <= d.nice <= 19:
+        raise ConfigError(f"eval.downstream: threads={d.threads} must be >= 1 and nice={d.nice} in [0, 19]")

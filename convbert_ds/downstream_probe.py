@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from convbert_ds.distributed import TORCH_VARS
 from convbert_ds.train_config import DownstreamSection
 
 BASELINE = "random_init"
@@ -85,7 +86,7 @@ class DownstreamProbes:
         log = open(probe.out.parent / f"{probe.name}.log", "w")
         env = {**os.environ, "OMP_NUM_THREADS": str(self.section.threads), "CUDA_VISIBLE_DEVICES": "",
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1"}
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        for name in TORCH_VARS:
             env.pop(name, None)  # the probe is a single process of its own, not a rank of this job
         probe.process = subprocess.Popen(probe.command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          preexec_fn=lambda: os.nice(self.section.nice))

@@ -315,7 +315,8 @@ class Trainer:
 
     def _mean_over_ranks(self, sums: dict, count: int) -> dict:
         keys = sorted(sums)
-        packed = torch.tensor([sums[k] for k in keys] + [float(count)], dtype=torch.float64)
+        # On the rank's device: NCCL reduces CUDA tensors only (a CPU tensor fails the first eval on GPUs).
+        packed = torch.tensor([sums[k] for k in keys] + [float(count)], dtype=torch.float64, device=self.device)
         dist.all_reduce(packed)
         return {k: packed[i].item() / max(packed[-1].item(), 1) for i, k in enumerate(keys)}
 

@@ -313,3 +313,31 @@ def test_training_checkpoint_is_converted_on_the_fly(tiny_corpus, task, tmp_path
     assert results["model_resolved"].endswith(f"converted to {converted})")
     assert finetune_main(args) == 0  # a rerun reuses the conversion and the finished seed
 
+
+
+def test_recipe_defaults_follow_the_paper_and_electra(hf_model):
+    from convbert_ds.config import preset
+    from convbert_ds.finetune.errors import FinetuneError
+    from convbert_ds.optim import linear_warmup_decay
+
+    small, base = preset("small"), preset("base")
+    assert Recipe().resolve("rte", small, cuda=False).epochs == 10
+    assert Recipe().resolve("stsb", small, cuda=False).epochs == 10
+    resolved = Recipe().resolve("sst2", small, cuda=False)
+    assert (resolved.epochs, resolved.learning_rate, resolved.dropout, resolved.precision) == (3, 3e-4, 0.1, "fp32")
+    assert Recipe().resolve("sst2", base, cuda=True).learning_rate == 1e-4
+    assert Recipe().resolve("sst2", base, cuda=True).precision == "bf16"
+    assert Recipe(learning_rate=2e-5, epochs=1.5).resolve("rte", base, cuda=False).epochs == 1.5
+    with pytest.raises(FinetuneError, match="--precision=bf16 needs a CUDA GPU"):
+        Recipe(precision="bf16").resolve("sst2", small, cuda=False)
+    # 10 steps, 2 of warm-up: 0, 0.5, then linear decay to 0 at step 10.
+    assert [linear_warmup_decay(s, 2, 10) for s in (0, 1, 2, 6, 10)] == [0.0, 0.5, 1.0, 0.5, 0.0]
+
+
+def test_a_single_process_run_leaves_the_environment_alone(hf_model, task, tmp_path):
+    """Launchers started after an in-process fine-tuning (benchmarks, tests) must not inherit RANK=0 WORLD_SIZE=1."""
+    from convbert_ds.distributed import TORCH_VARS
+
+    before = {name: os.environ.get(name) for name in TORCH_VARS}
+    assert finetune_main(_args(hf_model, task, tmp_path / "run", "--max-train-examples", "16")) == 0
+    assert {name: os.environ.get(name) for name in TORCH_VARS} == before

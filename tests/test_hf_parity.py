@@ -153,16 +153,21 @@ def test_hf_round_trip_is_bit_exact(tmp_path):
 
 @pytest.mark.parametrize("name", ["embedding-projection", "k15-no-bottleneck", "k1-gelu-new"])
 def test_triton_kernel_matches_transformers(name, tmp_path):
-    """The fused Triton SDConv (the interpreter when there is no GPU) behind the same model."""
+    """The fused Triton SDConv (the interpreter when there is no GPU) behind the same model.
+
+    On a GPU both models run there in fp32; cuDNN's convolutions may use TF32 (torch's default), hence
+    the looser forward bound there."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     config = _config(name)
     theirs = _hf(transformers.ConvBertModel, config, "ConvBertModel", seed=6)
     theirs.save_pretrained(tmp_path / "hf")
-    ours = ConvBertModel.from_hf_pretrained(tmp_path / "hf", sdconv_impl="triton").eval()
-    input_ids, attention_mask, token_type_ids = _batch(config, seq_len=7)
+    theirs.to(device)
+    ours = ConvBertModel.from_hf_pretrained(tmp_path / "hf", sdconv_impl="triton").eval().to(device)
+    input_ids, attention_mask, token_type_ids = (t.to(device) for t in _batch(config, seq_len=7))
     expected = theirs(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
     got = ours(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-    assert (got - expected).abs().max() < 1e-5
-    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(8))
+    assert (got - expected).abs().max() < (1e-5 if device == "cpu" else 2e-3)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(8)).to(device)
     (expected * weights).sum().backward()
     (got * weights).sum().backward()
     _assert_close_grads(ours, theirs)

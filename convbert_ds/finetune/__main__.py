@@ -12,8 +12,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from convbert_ds.config import ConfigError
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.recipe import PRECISIONS, Recipe
+from convbert_ds.finetune.run import RunSpec, run
+from convbert_ds.finetune.tasks import read_custom, read_glue
 
 EXIT_BAD_INPUT = 2
 
@@ -66,8 +69,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def read_task(args: argparse.Namespace):
-    from convbert_ds.finetune.tasks import read_custom, read_glue
-
     custom = [args.train, args.validation, args.text_column, args.label_column]
     if args.glue_task:
         if any(custom):
@@ -88,9 +89,6 @@ def read_task(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from convbert_ds.finetune.run import RunSpec, run
-    from convbert_ds.config import ConfigError
-
     try:
         args = parse_args(argv)
         recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)})

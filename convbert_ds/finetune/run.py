@@ -23,8 +23,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import AutoTokenizer
 
 from convbert_ds import distributed
+from convbert_ds.convert.to_hf import tokenizer_files
 from convbert_ds.finetune.batches import encode
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.loop import Placement, train_seed
@@ -67,8 +69,17 @@ def select_train(task: TaskData, recipe: Recipe, seed: int = 0) -> list:
 
 
 def _placement() -> Placement:
+    before = {name: os.environ.get(name) for name in distributed.TORCH_VARS}
     distributed.discover()
     world, rank = distributed.world_size(), distributed.rank()
+    if world == 1:
+        # One process needs no rendezvous: leave the environment as it was, so that a caller (a benchmark,
+        # a test) does not pass RANK=0 WORLD_SIZE=1 on to the launchers it starts next.
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -84,6 +95,22 @@ def _settings(spec: RunSpec, recipe: Recipe, model_description: str) -> dict:
                      "metric": spec.task.metric, "source": spec.task.source},
             "model": spec.model, "model_resolved": model_description,
             "init": "random" if spec.random_init else "pretrained", "recipe": recipe.to_dict()}
+
+
+def _main_first(place: Placement, work) -> None:
+    """Run ``work`` on rank 0; its FinetuneError is raised on every rank (no rank waits for a rank that quit)."""
+    error = None
+    if place.main:
+        try:
+            work()
+        except FinetuneError as failure:
+            error = str(failure)
+    if place.world_size > 1:
+        message = [error]
+        dist.broadcast_object_list(message, src=0)
+        error = message[0]
+    if error is not None:
+        raise FinetuneError(error)
 
 
 def _check_resume(out: Path, settings: dict) -> None:
@@ -104,8 +131,6 @@ def _primary(task: TaskData, result: dict) -> float:
 
 
 def _save_best(model, source_dir: Path, out: Path, command: str, seed: int, final: dict) -> None:
-    from convbert_ds.convert.to_hf import tokenizer_files
-
     extra = {p.name: p.read_bytes() for p in tokenizer_files(source_dir)}
     card = (f"# Fine-tuned ConvBERT (seed {seed})\n\nDev metrics: `{json.dumps(final)}`\n\n"
             f"Made by:\n\n```\n{command}\n```\n")
@@ -146,23 +171,22 @@ def markdown_table(results: dict) -> str:
 
 def run(spec: RunSpec) -> dict | None:
     """Fine-tune every seed (resuming finished and unfinished ones); returns results.json's content on rank 0."""
-    from transformers import AutoTokenizer
-
     place = _placement()
     out = spec.out
-    if place.main:
+
+    def prepare() -> None:  # rank 0 alone writes; the other ranks then read what it made
         if spec.force and out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
         source = resolve_model(spec.model, out)
-    place.barrier()
-    if not place.main:
-        source = resolve_model(spec.model, out, convert=False)
+        recipe = spec.recipe.resolve(spec.task.name, source.config, place.device.type == "cuda")
+        _check_resume(out, _settings(spec, recipe, source.description))
+        (out / SEEDS_DIR).mkdir(exist_ok=True)
+
+    _main_first(place, prepare)
+    source = resolve_model(spec.model, out, convert=False)
     recipe = spec.recipe.resolve(spec.task.name, source.config, place.device.type == "cuda")
     settings = _settings(spec, recipe, source.description)
-    if place.main:
-        _check_resume(out, settings)
-        (out / SEEDS_DIR).mkdir(exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(source.hf_dir), local_files_only=True)
     task = spec.task
     train = encode(tokenizer, task, select_train(task, recipe), recipe.max_seq_length)

@@ -59,14 +59,21 @@ def _configs() -> list[triton.Config]:
             for block_t, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 8), (64, 16))]
 
 
-_TUNE_KEY = ["T", "HEAD_DIM", "KERNEL_SIZE"]
+# T_TUNE is T rounded up to a power of two: tuning keyed on T itself re-benchmarks every config at each new
+# sequence length, and fine-tuning with per-batch padding meets dozens of lengths (seen on an H100: seconds
+# per new length). The kernels never read T_TUNE.
+_TUNE_KEY = ["T_TUNE", "HEAD_DIM", "KERNEL_SIZE"]
+
+
+def _tune_length(seq_len: int) -> int:
+    return max(16, triton.next_power_of_2(seq_len))
 
 
 @triton.autotune(configs=_configs(), key=_TUNE_KEY, cache_results=True)
 @triton.jit
 def _sdconv_fwd_kernel(
     logits_ptr, values_ptr, mask_ptr, out_ptr, lse_ptr,
-    T, N_HEADS, HEAD_DIM,
+    T, T_TUNE, N_HEADS, HEAD_DIM,
     sl_b, sl_t, sl_h, sl_k,
     sv_b, sv_t, sv_h, sv_d,
     sm_b, sm_t,
@@ -115,7 +122,7 @@ def _sdconv_fwd_kernel(
 @triton.jit
 def _sdconv_bwd_kernel(
     logits_ptr, values_ptr, mask_ptr, lse_ptr, grad_out_ptr, grad_logits_ptr, grad_values_ptr,
-    T, N_HEADS, HEAD_DIM,
+    T, T_TUNE, N_HEADS, HEAD_DIM,
     sl_b, sl_t, sl_h, sl_k,
     sv_b, sv_t, sv_h, sv_d,
     sm_b, sm_t,
@@ -201,7 +208,8 @@ def _shared_args(kernel_logits, values, value_mask) -> tuple:
     _, seq_len, heads, kernel_size = kernel_logits.shape
     head_dim = values.shape[-1]
     mask, sm_b, sm_t = (values, 0, 0) if value_mask is None else (value_mask, *value_mask.stride())
-    sizes_and_strides = (seq_len, heads, head_dim, *kernel_logits.stride(), *values.stride(), sm_b, sm_t)
+    sizes_and_strides = (seq_len, _tune_length(seq_len), heads, head_dim, *kernel_logits.stride(), *values.stride(),
+                         sm_b, sm_t)
     meta = dict(KERNEL_SIZE=kernel_size, HAS_MASK=value_mask is not None, **_block_sizes(kernel_size, head_dim))
     return mask, sizes_and_strides, meta
 

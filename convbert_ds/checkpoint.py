@@ -37,13 +37,23 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary name, fsync, rename: a crash leaves the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the JSON lines whose ``step`` is at most ``step``: a run resumed from that step logs the rest
+    again, so its log ends up as an uninterrupted run's."""
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        path.write_text("".join(line + "\n" for line in kept))
 
 
 def complete_tags(directory: Path) -> list[str]:
@@ -107,9 +117,9 @@ def save(engine, directory: Path, step: int, trainer_state: dict, keep_last: int
     _fault_injection_point(step)
     dist.barrier()
     if rank == 0:
-        _write_atomically(directory / tag / TRAINER_STATE, json.dumps(trainer_state, indent=2, default=str))
-        _write_atomically(directory / tag / COMPLETE, f"{dist.get_world_size()}\n")
-        _write_atomically(directory / LATEST, tag + "\n")
+        write_text_atomically(directory / tag / TRAINER_STATE, json.dumps(trainer_state, indent=2, default=str))
+        write_text_atomically(directory / tag / COMPLETE, f"{dist.get_world_size()}\n")
+        write_text_atomically(directory / LATEST, tag + "\n")
         for old in complete_tags(directory)[:-keep_last]:
             shutil.rmtree(directory / old, ignore_errors=True)
     dist.barrier()

@@ -45,8 +45,9 @@ class DownstreamProbes:
         self.log_row = log_row
         self.queue: list[Probe] = []
         self.running: Probe | None = None
+        # Queued before the first checkpoint's probe, and probes run one at a time in queue order, so the
+        # baseline has finished (or failed) before any checkpoint's score comes in.
         self.baseline: float | None = None
-        self.pending_rows: list[tuple[int, dict]] = []  # scores waiting for the baseline
         self.baseline_queued = False
 
     @property
@@ -105,18 +106,14 @@ class DownstreamProbes:
         if probe.step is None:
             self.baseline = score
             print(f"downstream: random-init baseline {score:.4f}", flush=True)
-            for step, row in self.pending_rows:
-                self.log_row(step, {**row, "random_init": score})
-            self.pending_rows = []
             return
         row = {"score": score}
-        print(f"downstream step {probe.step} | score {score:.4f}"
-              + (f" | random init {self.baseline:.4f} | gain {score - self.baseline:+.4f}"
-                 if self.baseline is not None else ""), flush=True)
-        if self.baseline is None and self.section.random_baseline and self.baseline_queued:
-            self.pending_rows.append((probe.step, row))
-        else:
-            self.log_row(probe.step, {**row, **({"random_init": self.baseline} if self.baseline is not None else {})})
+        line = f"downstream step {probe.step} | score {score:.4f}"
+        if self.baseline is not None:
+            row["random_init"] = self.baseline
+            line += f" | random init {self.baseline:.4f} | gain {score - self.baseline:+.4f}"
+        print(line, flush=True)
+        self.log_row(probe.step, row)
 
     def poll(self) -> None:
         """Non-blocking: collect a finished probe, start the next."""
@@ -136,6 +133,3 @@ class DownstreamProbes:
         while self.running is not None or self.queue:
             self.poll()
             time.sleep(0.2)
-        for step, row in self.pending_rows:  # the baseline failed: log the scores alone
-            self.log_row(step, row)
-        self.pending_rows = []

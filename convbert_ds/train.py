@@ -98,10 +98,7 @@ class MetricsLog:
         if not enabled:
             return
         log_dir.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():  # a resumed run rewrites history from its checkpoint on
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        checkpoint.truncate_jsonl(self.path, start_step)
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(log_dir / "tensorboard"), purge_step=start_step + 1)

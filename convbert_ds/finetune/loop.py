@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from convbert_ds.checkpoint import rng_state, set_rng_state
+from convbert_ds.checkpoint import rng_state, set_rng_state, truncate_jsonl
 from convbert_ds.finetune.batches import Encoded, collate, epoch_batches, eval_batches
 from convbert_ds.finetune.metrics import compute_metrics
 from convbert_ds.finetune.recipe import Recipe
@@ -106,13 +106,6 @@ def _save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def _cut_log(log: Path, step: int) -> None:
-    """Keep the log lines up to ``step``: what a resumed run logs again is what it had logged before."""
-    if log.is_file():
-        lines = [line for line in log.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        log.write_text("".join(line + "\n" for line in lines))
-
-
 def train_seed(model: ConvBertForSequenceClassification, task: TaskData, train: Encoded, evals: dict[str, Encoded],
                recipe: Recipe, seed: int, place: Placement, state_dir: Path, log: Path) -> list[dict]:
     """Fine-tune ``model`` in place; returns the per-epoch history (the last entry is the final result)."""
@@ -134,7 +127,7 @@ def train_seed(model: ConvBertForSequenceClassification, task: TaskData, train: 
         set_rng_state(state["rng"])
     if place.main:
         state_dir.mkdir(parents=True, exist_ok=True)
-        _cut_log(log, step)
+        truncate_jsonl(log, step)
     wrapped = model
     if place.world_size > 1:
         ids = [place.device.index] if place.device.type == "cuda" else None
@@ -147,12 +140,15 @@ def train_seed(model: ConvBertForSequenceClassification, task: TaskData, train: 
                                      "rng": rng_state(), "history": history})
         place.barrier()
 
+    epoch_order: tuple[int, list[list[int]]] = (-1, [])  # (epoch, its batches): drawn once per epoch
     model.train()
     bar = tqdm(total=total, initial=step, desc=f"seed {seed}", disable=not place.main, dynamic_ncols=True)
     with bar, open(log, "a") if place.main else contextlib.nullcontext() as log_file:
         while step < total:
             epoch, position = divmod(step, steps_per_epoch)
-            global_batch = epoch_batches(len(train), recipe.batch_size, seed, epoch, place.world_size)[position]
+            if epoch_order[0] != epoch:
+                epoch_order = (epoch, epoch_batches(len(train), recipe.batch_size, seed, epoch, place.world_size))
+            global_batch = epoch_order[1][position]
             mine = global_batch[place.rank::place.world_size]
             batch = {k: v.to(place.device) for k, v in collate(train, mine, model.config.pad_token_id,
                                                                 regression).items()}

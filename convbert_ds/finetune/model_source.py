@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from convbert_ds.checkpoint import COMPLETE, TRAINER_STATE, latest_complete
+from convbert_ds.checkpoint import TRAINER_STATE, latest_complete
 from convbert_ds.config import ConfigError, ModelConfig
 from convbert_ds.convert import ConvertError, convert_checkpoint, open_checkpoint
 from convbert_ds.finetune.errors import FinetuneError
@@ -32,7 +32,8 @@ class ModelSource:
 
 
 def _is_checkpoint(path: Path) -> bool:
-    return (path / TRAINER_STATE).is_file() or latest_complete(path) is not None or (path / COMPLETE).is_file()
+    """The trainer's checkpoint.dir (it has a complete tag) or one tag directory in it."""
+    return (path / TRAINER_STATE).is_file() or latest_complete(path) is not None
 
 
 def resolve_model(path, work_dir: Path, convert: bool = True) -> ModelSource:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from convbert_ds import distributed
+from convbert_ds.checkpoint import write_text_atomically
 from convbert_ds.convert.to_hf import tokenizer_files
 from convbert_ds.finetune.batches import encode
 from convbert_ds.finetune.errors import FinetuneError
@@ -48,13 +49,16 @@ class RunSpec:
     force: bool = False  # delete OUT's previous run first
 
 
-def select_train(task: TaskData, recipe: Recipe, seed: int = 0) -> list:
+SUBSET_SEED = 0  # fixed: the subset must not follow the fine-tuning seed
+
+
+def select_train(task: TaskData, recipe: Recipe) -> list:
     """``--examples-per-class`` / ``--max-train-examples``: one seeded subset, the same for every fine-tuning
     seed and for the random-init baseline, so low-resource results compare like with like."""
     examples = task.train
     if recipe.examples_per_class is None and recipe.max_train_examples is None:
         return examples
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(SUBSET_SEED)).tolist()
     picked, per_class = [], {}
     for i in order:
         label = examples[i].label if task.task_type == "classification" else None
@@ -206,8 +210,7 @@ def run(spec: RunSpec) -> dict | None:
         if place.main:
             if not finished or _primary(task, result["final"]) > max(_primary(task, s["final"]) for s in finished):
                 _save_best(model, source.hf_dir, out, spec.command, seed, result["final"])
-            (done.parent / f".{done.name}.tmp").write_text(json.dumps(result, indent=2) + "\n")
-            os.replace(done.parent / f".{done.name}.tmp", done)
+            write_text_atomically(done, json.dumps(result, indent=2) + "\n")
             shutil.rmtree(out / STATE_DIR / f"seed{seed}", ignore_errors=True)
         place.barrier()
         finished.append(result)

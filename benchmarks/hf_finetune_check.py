@@ -1,6 +1,9 @@
 """Pretrained vs random init, fine-tuned by transformers' own classes only (an oracle beside convbert_ds.finetune).
 
-    python benchmarks/hf_finetune_check.py --model runs/quickstart/hf/discriminator --task-dir runs/quickstart/task
+    python benchmarks/hf_finetune_check.py --model hf/discriminator --task-dir runs/transfer/data/task
+
+(``--task-dir``: the task ``benchmarks/pretraining_transfer.py`` builds in WORK/data/task, or any folder of
+train.jsonl and validation.jsonl with ``text`` and ``label``.)
 
 Nothing of convbert_ds is imported: ``transformers.ConvBertForSequenceClassification`` loads the converted
 directory (``from_pretrained``) or is built from its config.json with fresh weights (random init, same
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 from pathlib import Path
@@ -38,7 +40,6 @@ def encode(tokenizer, texts: list[str], labels: list[str], label_ids: dict[str, 
 def finetune_once(model_dir: Path, random_init: bool, train: dict, dev: dict, num_labels: int, lr: float,
                   seed: int, epochs: int, batch_size: int) -> float:
     torch.manual_seed(seed)
-    random.seed(seed)
     if random_init:
         config = ConvBertConfig.from_pretrained(model_dir, num_labels=num_labels)
         model = ConvBertForSequenceClassification(config)

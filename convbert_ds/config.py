@@ -232,6 +232,7 @@ class ElectraConfig:
     mask_token_prob: float = 0.85  # of the masked positions; the rest keep their token
     rtd_weight: float = 50.0
     temperature: float = 1.0
+    tie_generator_body: bool = False  # the generator is the discriminator's encoder + an MLM head
     mask_token_id: int = 4
     special_token_ids: tuple[int, ...] = (0, 2, 3)  # never masked: [PAD], [CLS], [SEP]
 
@@ -261,6 +262,9 @@ class ElectraConfig:
         if not 0 <= self.mask_token_id < disc.vocab_size:
             _fail(own, "mask_token_id", self.mask_token_id, f"is outside the vocabulary (size {disc.vocab_size})",
                   "use the tokenizer's [MASK] id")
+        if self.tie_generator_body and self.generator != disc:
+            _fail(own, "tie_generator_body", True, "needs a generator of the discriminator's size",
+                  "use generator_multiplier 1.0 (model.generator_multiplier=1.0)")
         if self.generator is not None:
             for name in ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size",
                          "pad_token_id"):

@@ -38,6 +38,9 @@ class ModelSection:
     objective: str = "electra"
     generator_multiplier: float | None = None  # default: the paper's (1/4 small, 1/3 base)
     rtd_weight: float = 50.0
+    # ELECTRA's "tie all weights": the generator is the discriminator's encoder under its own MLM head
+    # (generator_multiplier 1.0). What makes the tiny preset transfer (benchmarks/RESULTS.md).
+    tie_generator_body: bool = False
     mask_prob: float = 0.15
     overrides: dict = field(default_factory=dict)  # any ModelConfig field, e.g. {num_hidden_layers: 2}
     # Continue pretraining a published model: a directory written by
@@ -271,10 +274,12 @@ def electra_config(cfg: TrainConfig, vocab_size: int, special_ids: dict) -> Elec
     overrides.update(vocab_size=vocab_size, pad_token_id=special_ids["pad"])
     overrides.setdefault("max_position_embeddings", max(cfg.data.seq_len, 128))
     disc = preset(cfg.model.preset, **overrides)
-    mult = cfg.model.generator_multiplier or preset_generator_multiplier(cfg.model.preset)
+    tied = cfg.model.tie_generator_body
+    mult = cfg.model.generator_multiplier or (1.0 if tied else preset_generator_multiplier(cfg.model.preset))
     return ElectraConfig(
         discriminator=disc, generator=generator_config(disc, mult) if cfg.model.objective == "electra" else None,
         objective=cfg.model.objective, rtd_weight=cfg.model.rtd_weight, mask_prob=cfg.model.mask_prob,
+        tie_generator_body=tied,
         mask_token_id=special_ids["mask"],
         special_token_ids=tuple(special_ids[k] for k in ("pad", "cls", "sep")))
 
@@ -312,6 +317,13 @@ def validate(cfg: TrainConfig, world_size: int) -> tuple[dict, int]:
     for name in ("micro_batch_size", "global_batch_size", "steps"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name}={getattr(t, name)}: must be >= 1")
+    if cfg.model.tie_generator_body:
+        if cfg.model.objective != "electra":
+            raise ConfigError("model.tie_generator_body=true ties the ELECTRA generator to the discriminator; the "
+                              f"objective is {cfg.model.objective!r}: drop the key or use model.objective=electra")
+        if p.stages > 1 or cfg.model.init_from_hf:
+            raise ConfigError("model.tie_generator_body=true is not supported with pipeline.stages > 1 or "
+                              "model.init_from_hf; drop one of them")
     if p.stages < 1 or world_size % p.stages:
         raise ConfigError(f"pipeline.stages={p.stages}: must divide the number of processes ({world_size})")
     stage = ds.get("zero_optimization", {}).get("stage", 0)

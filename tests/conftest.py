@@ -42,3 +42,20 @@ def cluster(tmp_path_factory):
             yield slurm
     except SlurmUnavailable as error:  # only start() raises it: no slurm-wlm and no way to install it
         pytest.skip(str(error))
+
+
+_REPORTED: set[str] = set()  # a failing module fixture fails every test that uses it: print its error once
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Print a failure's tail the moment it happens, not only in the end summary.
+
+    A run cut short (a CI time limit, the OOM killer) never reaches the summary; this way its log still
+    says which test failed and why.
+    """
+    report = (yield).get_result()
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    if report.failed and reporter is not None and report.longreprtext not in _REPORTED:
+        _REPORTED.add(report.longreprtext)
+        reporter.write_line(f"\n--- {report.nodeid} ({report.when}) failed:\n{report.longreprtext[-3000:]}")

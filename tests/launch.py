@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,13 +39,37 @@ def train_command(launcher: str, nproc: int = 2) -> list[str]:
     raise ValueError(launcher)
 
 
+def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run with the whole process group killed on timeout.
+
+    A launcher's ranks are its grandchildren: killing only the launcher (what subprocess.run does) leaves
+    ranks blocked in a collective, holding cores and memory, and every later test then runs slower.
+    """
+    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, **kwargs)
+    def kill_group() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group()
+        stdout, stderr = process.communicate()
+        raise subprocess.TimeoutExpired(command, timeout, output=stdout[-6000:], stderr=stderr[-6000:]) from None
+    finally:
+        if process.poll() is None:  # an exception in the test itself (e.g. KeyboardInterrupt): leave nothing running
+            kill_group()
+            process.wait()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def run_training(run_dir: Path, shards: Path, *overrides: str, launcher: str = "deepspeed", nproc: int = 2,
-                 extra_env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+                 extra_env: dict | None = None, timeout: int = 420) -> subprocess.CompletedProcess:
     command = train_command(launcher, nproc) + [
         "--config", str(TINY_CONFIG), f"data.sets=[{{path: '{shards}', weight: 1.0}}]",
         f"checkpoint.dir={run_dir / 'checkpoints'}", f"log.dir={run_dir / 'logs'}", "log.interval=1", *overrides]
-    return subprocess.run(command, cwd=REPO, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_group(command, timeout, cwd=REPO, env={**env(), **(extra_env or {})})
 
 
 def train_metrics(run_dir: Path) -> list[dict]:

@@ -36,8 +36,9 @@ RUNS = {
     "pipeline_bf16": ["deepspeed.config=ds_configs/pipeline_zero1_bf16.json", "train.precision=bf16",
                       "pipeline.stages=2", "train.micro_batch_size=4"],
     "mlm_zero0_bf16": ["deepspeed.config=ds_configs/zero0_bf16.json", "train.precision=bf16", "model.objective=mlm"],
+    "tied": ["deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32", "model.tie_generator_body=true"],
 }
-FP32_KINDS = ["zero0", "zero1", "zero2", "zero3", "pipeline"]
+FP32_KINDS = ["zero0", "zero1", "zero2", "zero3", "pipeline", "tied"]
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +124,13 @@ def test_checkpoint_converts_to_transformers_with_equal_outputs(kind, runs, conv
     assert torch.equal(gen["generator_lm_head.weight"], gen["convbert.embeddings.word_embeddings.weight"])
     card = (out / "README.md").read_text()
     assert "steps: 3" in card and "tokens seen: 3,072" in card and tiny_corpus_sha(tiny_corpus) in card
+
+
+def test_tied_generator_exports_the_discriminator_encoder(converted):
+    """tie_generator_body: ZeRO keeps one copy of the shared encoder; both exports carry it."""
+    disc = load_file(str(converted[0]["tied"] / "discriminator" / "model.safetensors"))
+    gen = load_file(str(converted[0]["tied"] / "generator" / "model.safetensors"))
+    assert disc and all(torch.equal(gen[f"convbert.{name}"], tensor) for name, tensor in disc.items())
 
 
 def tiny_corpus_sha(tiny_corpus) -> str:

@@ -1,8 +1,9 @@
 """ELECTRA pretraining: masking statistics, sampling, RTD labels, and learning on real text."""
 
+import pytest
 import torch
 
-from convbert_ds.config import ElectraConfig, ModelConfig, generator_config
+from convbert_ds.config import ConfigError, ElectraConfig, ModelConfig, generator_config
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.electra import IGNORE_INDEX, corrupt, gumbel_sample, mask_tokens
 
@@ -59,6 +60,23 @@ def test_generator_shares_the_embedding_tables():
     assert model.generator.generator_lm_head.weight is shared.word_embeddings.weight
     unique = {id(p) for p in model.parameters()}
     assert len(unique) == len(list(model.parameters()))
+
+
+def test_tied_generator_is_the_discriminator_encoder_under_an_mlm_head():
+    disc = _electra().discriminator
+    config = ElectraConfig(discriminator=disc, generator=generator_config(disc, 1.0), tie_generator_body=True)
+    model = ElectraForPretraining(config)
+    assert model.generator.convbert is model.discriminator.convbert
+    untied = ElectraForPretraining(ElectraConfig(discriminator=disc, generator=generator_config(disc, 1.0)))
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(untied) - count(model) == count(untied.generator.convbert) - count(untied.generator.convbert.embeddings)
+    # The MLM loss alone (rtd_weight 0) now trains the encoder the discriminator is exported from.
+    config.rtd_weight = 0.0
+    input_ids = torch.randint(5, 200, (4, 32))
+    model(input_ids, torch.ones_like(input_ids)).loss.backward()
+    assert model.discriminator.convbert.encoder.layer[0].intermediate.dense.weight.grad.abs().sum() > 0
+    with pytest.raises(ConfigError, match=r"tie_generator_body.*generator_multiplier=1\.0"):
+        ElectraConfig(discriminator=disc, generator=generator_config(disc, 0.25), tie_generator_body=True)
 
 
 def test_loss_is_mlm_plus_weighted_rtd_and_gradients_reach_both_models():

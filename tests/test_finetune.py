@@ -21,7 +21,7 @@ from convbert_ds.finetune.loop import build_optimizer
 from convbert_ds.finetune.model_source import initial_model, resolve_model
 from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.model import ConvBertForSequenceClassification, ElectraForPretraining
-from launch import REPO, env, free_port
+from launch import REPO, env, free_port, run_group
 from preprocessing_fixtures import read_text_documents
 
 FAST = ["--epochs", "1", "--batch-size", "8", "--max-seq-length", "32", "--save-steps", "1000"]
@@ -227,9 +227,8 @@ def test_killed_run_resumes_exactly(hf_model, task, tmp_path):
 def test_two_ranks_match_one_rank(hf_model, task, tmp_path):
     """torchrun with 2 CPU ranks (gloo, data parallel): without dropout, the same losses as one process."""
     args = _args(hf_model, task, tmp_path / "ddp", "--dropout", "0", "--max-train-examples", "32")
-    ddp = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
-                          free_port(), "-m", "convbert_ds.finetune", *args], cwd=REPO, env=env(),
-                         capture_output=True, text=True, timeout=600)
+    ddp = run_group([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
+                     free_port(), "-m", "convbert_ds.finetune", *args], 600, cwd=REPO, env=env())
     assert ddp.returncode == 0, (ddp.stdout + ddp.stderr)[-4000:]
     assert finetune_main(_args(hf_model, task, tmp_path / "one", "--dropout", "0", "--max-train-examples", "32")) == 0
     losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "seeds" / "seed0.jsonl").read_text().splitlines()]

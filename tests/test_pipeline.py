@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from convbert_ds.config import ElectraConfig
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.pipeline import check_pipeline_ds_config, pipeline_layer_names
+from launch import run_group
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 REPO = WORKER.parent.parent
@@ -30,9 +30,8 @@ def _launch(scenario: str, ranks: int, out_dir: Path) -> list[dict]:
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                             str(ranks), str(WORKER), scenario, str(out_dir)],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    result = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                        str(ranks), str(WORKER), scenario, str(out_dir)], 400, cwd=REPO, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 

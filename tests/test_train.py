@@ -109,6 +109,10 @@ def test_torchrun_launches_the_same_trainer(tiny_corpus, tmp_path):
     (["deepspeed.config=ds_configs/nope.json"], "deepspeed.config='ds_configs/nope.json': file not found"),
     (["model.overrides={conv_kernel_size: 4}"], "ModelConfig.conv_kernel_size=4"),
     (["train.precision=fp16"], "fp16 needs a GPU"),
+    (["model.tie_generator_body=true", "model.objective=mlm"], "model.tie_generator_body=true ties the ELECTRA"),
+    (["model.tie_generator_body=true", "model.generator_multiplier=0.5"], "use generator_multiplier 1.0"),
+    (["model.tie_generator_body=true", "pipeline.stages=2", "deepspeed.config=ds_configs/pipeline_zero1_bf16.json"],
+     "not supported with pipeline.stages > 1"),
 ])
 def test_invalid_configs_are_rejected_before_any_rank_starts(overrides, message, tiny_corpus):
     with pytest.raises((ConfigError, ValueError), match=__import__("re").escape(message)):

@@ -133,10 +133,12 @@ class ConvBertForMaskedLM(HFInterop, nn.Module):
     hf_architecture = "ConvBertForMaskedLM"
     hf_prefix = "convbert."
 
-    def __init__(self, config: ModelConfig, embeddings: ConvBertEmbeddings | None = None):
+    def __init__(self, config: ModelConfig, embeddings: ConvBertEmbeddings | None = None,
+                 body: ConvBertModel | None = None):
         super().__init__()
         self.config = config
-        self.convbert = ConvBertModel(config, embeddings)
+        # ``body``: an existing encoder to share whole (ELECTRA's "tie all weights"), else a new one.
+        self.convbert = body if body is not None else ConvBertModel(config, embeddings)
         self.generator_predictions = ConvBertGeneratorPredictions(config)
         self.generator_lm_head = nn.Linear(config.embedding_size, config.vocab_size)
         init_weights(self.generator_predictions.dense, config.initializer_range)

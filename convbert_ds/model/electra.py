@@ -11,6 +11,10 @@ One step, as in ELECTRA (Clark et al. 2020) and the ConvBERT paper's appendix:
    differs from the original;
 4. loss = mlm + rtd_weight (50) * rtd.
 
+``tie_generator_body`` is ELECTRA's "tie all weights" variant: the generator is the discriminator's own
+encoder under an MLM head, so the encoder learns from both losses. At the tiny preset this is what
+makes pretraining transfer (benchmarks/RESULTS.md).
+
 The ``mlm`` objective trains the masked-LM model alone (BERT-style baseline).
 Each step is a small function so the pipeline engine can place them on stages.
 """
@@ -143,7 +147,8 @@ class ElectraForPretraining(nn.Module):
             self.discriminator = None
         else:
             self.discriminator = ConvBertForPreTraining(config.discriminator)
-            self.generator = ConvBertForMaskedLM(config.generator, self.discriminator.convbert.embeddings)
+            shared_body = self.discriminator.convbert if config.tie_generator_body else None
+            self.generator = ConvBertForMaskedLM(config.generator, self.discriminator.convbert.embeddings, shared_body)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> PretrainingOutput:

@@ -39,7 +39,7 @@ class ModelSection:
     generator_multiplier: float | None = None  # default: the paper's (1/4 small, 1/3 base)
     rtd_weight: float = 50.0
     # ELECTRA's "tie all weights": the generator is the discriminator's encoder under its own MLM head
-    # (generator_multiplier 1.0). What makes the tiny preset transfer (benchmarks/RESULTS.md).
+    # (generator_multiplier 1.0). With rtd_weight 1, what makes the tiny preset transfer (configs/quickstart.yaml).
     tie_generator_body: bool = False
     mask_prob: float = 0.15
     overrides: dict = field(default_factory=dict)  # any ModelConfig field, e.g. {num_hidden_layers: 2}

@@ -69,7 +69,8 @@ def test_tied_generator_is_the_discriminator_encoder_under_an_mlm_head():
     assert model.generator.convbert is model.discriminator.convbert
     untied = ElectraForPretraining(ElectraConfig(discriminator=disc, generator=generator_config(disc, 1.0)))
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    assert count(untied) - count(model) == count(untied.generator.convbert) - count(untied.generator.convbert.embeddings)
+    own_encoder = count(untied.generator.convbert) - count(untied.generator.convbert.embeddings)
+    assert count(untied) - count(model) == own_encoder
     # The MLM loss alone (rtd_weight 0) now trains the encoder the discriminator is exported from.
     config.rtd_weight = 0.0
     input_ids = torch.randint(5, 200, (4, 32))

@@ -12,8 +12,8 @@ One step, as in ELECTRA (Clark et al. 2020) and the ConvBERT paper's appendix:
 4. loss = mlm + rtd_weight (50) * rtd.
 
 ``tie_generator_body`` is ELECTRA's "tie all weights" variant: the generator is the discriminator's own
-encoder under an MLM head, so the encoder learns from both losses. At the tiny preset this is what
-makes pretraining transfer (benchmarks/RESULTS.md).
+encoder under an MLM head, so the encoder learns from both losses. At the tiny preset, with rtd_weight
+1, this is what makes pretraining transfer (configs/quickstart.yaml, benchmarks/RESULTS.md).
 
 The ``mlm`` objective trains the masked-LM model alone (BERT-style baseline).
 Each step is a small function so the pipeline engine can place them on stages.

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from convbert_ds.quickstart import prepare_data
+
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOLS = {
     "short": ["--epochs", "4"],
@@ -48,26 +50,6 @@ def _run(command: list[str], log: Path | None = None) -> None:
         result = subprocess.run(command, cwd=REPO, env=env, stdout=sink if log else None, stderr=subprocess.STDOUT)
     if result.returncode:
         raise SystemExit(f"command failed ({result.returncode}){f'; see {log}' if log else ''}: {' '.join(command)}")
-
-
-def prepare_data(work: Path, vocab_size: int) -> tuple[Path, Path]:
-    """WORK/data/{corpus.txt, tokenizer/, shards/, task/}, each built once."""
-    from convbert_ds.data.transfer_task import write_pretraining_corpus, write_transfer_task
-
-    data = work / "data"
-    corpus, tokenizer, shards, task = data / "corpus.txt", data / "tokenizer", data / "shards", data / "task"
-    if not corpus.exists():
-        print("building the pretraining corpus (installed packages' docstrings and docs)...", flush=True)
-        write_pretraining_corpus(corpus)
-    if not (tokenizer / "tokenizer.json").exists():
-        _run([sys.executable, "-m", "preprocessing.tokenizer", "--input", str(corpus), "--out", str(tokenizer),
-              "--vocab-size", str(vocab_size)])
-    if not (shards / "manifest.json").exists():
-        _run([sys.executable, "-m", "preprocessing.shard", "--input", str(corpus), "--tokenizer", str(tokenizer),
-              "--out", str(shards), "--valid-fraction", "0.02"])
-    if not (task / "validation.jsonl").exists():
-        write_transfer_task(task)
-    return shards, task
 
 
 def pretrain(args, shards: Path, run: Path) -> list[Path]:
@@ -150,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     label = args.label or (f"{args.objective}-{args.preset}-{args.steps}steps"
                            + (f"-gen{args.generator_multiplier:g}" if args.generator_multiplier else ""))
     work = args.work_dir.resolve()
-    shards, task = prepare_data(work, args.vocab_size)
+    shards, task = prepare_data(work / "data", args.vocab_size)  # the quickstart's data, built once
     shards, task = args.shards or shards, args.task_dir or task
     run = work / label
     checkpoints = pretrain(args, shards, run)

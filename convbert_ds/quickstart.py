@@ -11,7 +11,7 @@
 5. ``convbert_ds.finetune`` on the task, the converted discriminator against the same architecture
    from random weights, over seeds, and the margin between them.
 
-About 20 minutes on 2 CPU cores; ``--smoke`` runs every step on a small budget in a few minutes (its
+About 25 minutes on 2 CPU cores; ``--smoke`` runs every step on a small budget in under 15 minutes (its
 model is too small to beat random init: it checks the machinery, not the claim). Rerunning resumes
 training from the last checkpoint; fine-tuning is redone.
 """
@@ -41,7 +41,7 @@ def _run(command: list[str]) -> None:
     subprocess.run(command, check=True, cwd=REPO, env=env)
 
 
-def prepare_data(work: Path, vocab_size: int, corpus_bytes: int | None) -> tuple[Path, Path]:
+def prepare_data(work: Path, vocab_size: int, corpus_bytes: int | None = None) -> tuple[Path, Path]:
     """WORK/{corpus.txt, tokenizer/, shards/, task/}, each built once; returns (shards, task)."""
     python = sys.executable
     corpus, tokenizer, shards, task = work / "corpus.txt", work / "tokenizer", work / "shards", work / "task"
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default=None, help="where everything is written (default: runs/quickstart, "
                                                          "or runs/quickstart-smoke with --smoke)")
-    parser.add_argument("--smoke", action="store_true", help="every step on a small budget, in a few minutes")
+    parser.add_argument("--smoke", action="store_true", help="every step on a small budget, in under 15 minutes")
     parser.add_argument("--steps", type=int, default=None, help="pretraining steps (default: configs/quickstart.yaml)")
     parser.add_argument("--seeds", type=int, default=None, help="fine-tuning seeds per init (default 3)")
     parser.add_argument("--ranks", type=int, default=2, choices=(1, 2, 4, 8),

@@ -4,7 +4,7 @@
 
 1. Writes the checkpoint with a real 2-rank DeepSpeed save (``torchrun``, gloo, no training step):
    ``ElectraForPretraining`` of ``preset("base")`` (discriminator ~106M parameters + the 1/3-width
-   generator), ZeRO-2, fp32, through ``convbert_ds.checkpoint.save`` (the trainer's layout), with a
+   generator), ZeRO-2, fp32, through ``convbert_ds.engine.checkpoint.save`` (the trainer's layout), with a
    30,522-token WordPiece tokenizer.
 2. Measures, each in a fresh process, interleaved over ``--repeats`` rounds (medians reported):
    - ``zero_to_fp32 (baseline)``: DeepSpeed's own ``convert_zero_checkpoint_to_fp32_state_dict`` to one
@@ -57,10 +57,10 @@ def write_checkpoint_rank(checkpoint_dir: Path, tokenizer_dir: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from convbert_ds import checkpoint
+    from convbert_ds.engine import checkpoint
     from convbert_ds.config import ElectraConfig
     from convbert_ds.model import ElectraForPretraining
-    from convbert_ds.optim import param_groups
+    from convbert_ds.model.optim import param_groups
     from preprocessing.tokenizer import load_tokenizer
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

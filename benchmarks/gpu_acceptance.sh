@@ -27,8 +27,8 @@ part env 30 bash -c 'nvidia-smi --query-gpu=name,driver_version,memory.total --f
 import torch, triton, transformers
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__,
       \"transformers\", transformers.__version__, \"device\", torch.cuda.get_device_name())"'
-part tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_compile.py \
-  tests/test_sdconv_reference.py tests/test_hf_parity.py
+part tests 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_kernels_compile.py \
+  tests/model/test_sdconv_reference.py tests/model/test_hf_parity.py
 part sdconv 90 python3 benchmarks/sdconv.py --dtype bf16
 part train_step 150 python3 benchmarks/train_step.py --preset base --precision bf16 --batch 64 --seq 128 --steps 20
 exit $status

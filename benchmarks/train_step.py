@@ -58,9 +58,9 @@ def main() -> None:
 
     from convbert_ds.config import ElectraConfig
     from convbert_ds.data.loader import build_dataloader
-    from convbert_ds.flops import device_peak_tflops, training_flops_per_sample
+    from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
     from convbert_ds.model import ElectraForPretraining
-    from convbert_ds.optim import param_groups
+    from convbert_ds.model.optim import param_groups
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

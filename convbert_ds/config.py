@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
+from convbert_ds.errors import UserError
+
 CONV_TYPES = ("sdconv", "dynamic", "conventional", "none")
 SDCONV_IMPLS = ("auto", "triton", "torch")
 HIDDEN_ACTS = ("gelu", "gelu_new", "relu", "silu", "tanh")
@@ -23,7 +25,7 @@ OBJECTIVES = ("electra", "mlm")
 MAX_KERNEL_SIZE = 31
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is invalid; the message names the field and a fix."""
 
 

@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from convbert_ds.errors import UserError, exit_on_user_error
+
 PANELS = (("loss", "total loss"), ("mlm_loss", "generator MLM loss"), ("rtd_loss", "discriminator RTD loss"),
           ("rtd_accuracy", "RTD accuracy"))
 
@@ -20,12 +22,12 @@ PANELS = (("loss", "total loss"), ("mlm_loss", "generator MLM loss"), ("rtd_loss
 def read_metrics(log_dir: Path) -> list[dict]:
     path = log_dir / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: pass the run's log.dir (it holds metrics.jsonl)")
+        raise UserError(f"{path} not found: pass the run's log.dir (it holds metrics.jsonl)")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot(log_dir: Path, out: Path) -> Path:
-    import matplotlib
+    import matplotlib  # here: slow to import, and it must be switched to Agg before pyplot is imported
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -66,17 +68,12 @@ def _plot_downstream(ax, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("log_dir", type=Path)
-    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: LOG_DIR/curves.png)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("log_dir", type=Path, help="the run's log.dir (it holds metrics.jsonl)")
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (None: LOG_DIR/curves.png)")
     args = parser.parse_args(argv)
-    try:
-        out = plot(args.log_dir, args.out or args.log_dir / "curves.png")
-    except FileNotFoundError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
+    return exit_on_user_error(lambda: print(f"wrote {plot(args.log_dir, args.out or args.log_dir / 'curves.png')}"))
 
 
 if __name__ == "__main__":

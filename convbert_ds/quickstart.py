@@ -103,15 +103,17 @@ def report(pretrained: list[float], random: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work-dir", default=None, help="where everything is written (default: runs/quickstart, "
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--work-dir", default=None, help="where everything is written (None: runs/quickstart, "
                                                          "or runs/quickstart-smoke with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="every step on a small budget, in under 15 minutes")
-    parser.add_argument("--steps", type=int, default=None, help="pretraining steps (default: configs/quickstart.yaml)")
-    parser.add_argument("--seeds", type=int, default=None, help="fine-tuning seeds per init (default 3)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="pretraining steps (None: configs/quickstart.yaml's, 100 with --smoke)")
+    parser.add_argument("--seeds", type=int, default=None, help="fine-tuning seeds per init (None: 3, 1 with --smoke)")
     parser.add_argument("--ranks", type=int, default=2, choices=(1, 2, 4, 8),
                         help="processes for the deepspeed launcher (the global batch stays 64)")
-    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--vocab-size", type=int, default=8000, help="the tokenizer's vocabulary size")
     args = parser.parse_args(argv)
     smoke = SMOKE if args.smoke else {}
     work = Path(args.work_dir or ("runs/quickstart-smoke" if args.smoke else "runs/quickstart")).resolve()

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from preprocessing.errors import PreprocessingError
+from preprocessing.sources import iter_chunks, plan_slice, record_text
 
 # Longer lines are cut into several sequences (see split_long_line). Far above
 # any model's sequence length, and short enough that, for ordinary text, the
@@ -89,10 +90,10 @@ class ParsedChunk:
     invalid_utf8_bytes: int = 0
     long_lines_split: int = 0
 
-    def add_document(self, text_lines: list[str], max_line_chars: int) -> None:
-        """Add one document given as raw lines (stripped here, blank ones dropped)."""
+    def add_document(self, text_lines: list[str] | str | None, max_line_chars: int) -> None:
+        """Add one document given as raw lines or a record's text (stripped here, blank lines dropped)."""
         kept = []
-        for raw in text_lines:
+        for raw in text_lines.split("\n") if isinstance(text_lines, str) else text_lines or ():
             s = raw.strip()
             if not s:
                 continue
@@ -135,20 +136,6 @@ def parse_text(text: str, max_line_chars: int, out: ParsedChunk) -> None:
         doc_lines.append(len(lines) - first)
 
 
-def record_text(record: object, text_field: str, where: str) -> str | None:
-    """The text of one JSON record; ``None`` for a null field; an error if it is missing."""
-    if not isinstance(record, dict):
-        raise PreprocessingError(f"{where}: expected a JSON object, found {type(record).__name__}")
-    if text_field not in record:
-        fields = ", ".join(sorted(map(str, record))[:10]) or "none"
-        raise PreprocessingError(f"{where}: no field {text_field!r} (fields: {fields}); "
-                                 "pick one with --text-field")
-    value = record[text_field]
-    if value is not None and not isinstance(value, str):
-        raise PreprocessingError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string")
-    return value
-
-
 def parse_jsonl(text: str, data: bytes, text_field: str, max_line_chars: int, strict: bool, where: str,
                 offset: int, out: ParsedChunk) -> None:
     """JSON lines: one record per line, one document per record."""
@@ -168,19 +155,13 @@ def parse_jsonl(text: str, data: bytes, text_field: str, max_line_chars: int, st
             at = offset + sum(len(b) + 1 for b in data.split(b"\n")[:k])
             reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e).lstrip(": ")
             raise PreprocessingError(f"{where}: record at byte offset {at}: {reason}") from None
-        if value is None:
-            out.empty_documents += 1
-        else:
-            out.add_document(value.split("\n"), max_line_chars)
+        out.add_document(value, max_line_chars)
 
 
 def parse_records(texts: list[str | None], max_line_chars: int, out: ParsedChunk) -> None:
     """Records already read by ``datasets`` (Parquet, Arrow, JSON arrays): one document each."""
     for value in texts:
-        if value is None:
-            out.empty_documents += 1
-        else:
-            out.add_document(value.split("\n"), max_line_chars)
+        out.add_document(value, max_line_chars)
 
 
 def parse_chunk(chunk, where: str, strict: bool, text_field: str, max_line_chars: int) -> ParsedChunk:
@@ -203,8 +184,6 @@ def iter_documents(sources: list, text_field: str = "text", strict: bool = False
 
     ``stats``, when given, accumulates documents/lines read and what was skipped or repaired.
     """
-    from preprocessing.sources import iter_chunks, plan_slice
-
     for chunk in iter_chunks(sources, plan_slice(sources, 0, 1), text_field):
         parsed = parse_chunk(chunk, sources[chunk.source].path, strict, text_field, max_line_chars)
         if stats is not None:

@@ -1,23 +1,30 @@
-"""The one error type users see, and the wrapper that turns it into one line and an exit code."""
+"""The error type of preprocessing, and what its CLIs share: the wrapper that turns any user error into
+one line, and the help formatter."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 
+from convbert_ds.errors import UserError, exit_on_user_error
 
-class PreprocessingError(Exception):
+
+class PreprocessingError(UserError):
     """A problem with the user's input, settings or output directory, worded for the user."""
 
 
 def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> int:
-    """Run a CLI ``main``; a ``PreprocessingError`` becomes one line on stderr and exit code 2."""
+    """Run a CLI ``main``: a ``UserError`` is one line on stderr and exit code 2; Ctrl-C says how to resume."""
     try:
-        main(argv)
-    except PreprocessingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return exit_on_user_error(lambda: main(argv))
     except KeyboardInterrupt:
         print("interrupted (rerun the same command to resume)", file=sys.stderr)
         return 130
-    return 0
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help shows its default, except a required option's (it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.required else super()._get_help_string(action)

@@ -25,26 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
+from convbert_ds.formats.shard_manifest import file_sha256
+
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 DTYPE_CODES = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "float64": 6, "float32": 7, "uint16": 8}
 _BLOCK = 1 << 20  # entries per block when streaming the index
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:

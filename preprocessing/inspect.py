@@ -16,12 +16,15 @@ from pathlib import Path
 
 import numpy as np
 
-from preprocessing.errors import PreprocessingError, run_cli
+from convbert_ds.formats.shard_manifest import MANIFEST, read_manifest
+from preprocessing.errors import HelpFormatter, PreprocessingError, run_cli
+from preprocessing.shard import summary_table
+from preprocessing.tokenizer import load_tokenizer
 
 
 def _indexed_dataset(prefix: str):
     with warnings.catch_warnings():
-        # megatron-core warns at import about optional GPU libraries (Apex, TE).
+        # megatron-core warns at import about optional GPU libraries (Apex, TE); its import is slow (torch).
         warnings.simplefilter("ignore")
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -74,15 +77,12 @@ def _describe(prefixes: list[str], tokenizer, documents: int) -> list[str]:
 
 
 def inspect_path(path: str, tokenizer_dir: str | None = None, documents: int = 3) -> str:
-    from preprocessing.shard import read_manifest, summary_table
-    from preprocessing.tokenizer import load_tokenizer
-
     p = Path(path)
     if p.suffix in (".bin", ".idx"):
         p = p.with_suffix("")
-    if (p / "manifest.json").is_file():
+    if (p / MANIFEST).is_file():
         manifest = read_manifest(p, verify=False)
-        tokenizer = _tokenizer(tokenizer_dir or manifest["tokenizer"]["dir"], load_tokenizer)
+        tokenizer = _tokenizer(tokenizer_dir or manifest["tokenizer"]["dir"])
         out = [f"{p}: tokenizer {manifest['tokenizer']['dir']} ({manifest['tokenizer']['kind']}, "
                f"vocab {manifest['tokenizer']['vocab_size']:,}, {manifest['dtype']})",
                summary_table(manifest)]
@@ -91,15 +91,15 @@ def inspect_path(path: str, tokenizer_dir: str | None = None, documents: int = 3
             out += _describe([str(p / s["prefix"]) for s in split["shards"]], tokenizer, documents)
         return "\n".join(out)
     if Path(f"{p}.idx").is_file() and Path(f"{p}.bin").is_file():
-        if tokenizer_dir is None and (p.parent.parent / "manifest.json").is_file():
+        if tokenizer_dir is None and (p.parent.parent / MANIFEST).is_file():
             tokenizer_dir = read_manifest(p.parent.parent, verify=False)["tokenizer"]["dir"]
-        tokenizer = _tokenizer(tokenizer_dir, load_tokenizer) if tokenizer_dir else None
+        tokenizer = _tokenizer(tokenizer_dir) if tokenizer_dir else None
         return "\n".join([f"{p}:"] + _describe([str(p)], tokenizer, documents))
     raise PreprocessingError(f"{path}: neither a shard directory (with manifest.json) nor a shard prefix "
                              "(with .bin and .idx)")
 
 
-def _tokenizer(directory: str, load_tokenizer):
+def _tokenizer(directory: str):
     try:
         return load_tokenizer(directory)
     except PreprocessingError as e:
@@ -108,9 +108,10 @@ def _tokenizer(directory: str, load_tokenizer):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m preprocessing.inspect", description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", metavar="PREFIX_OR_DIR")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer dir for decoding (default: the manifest's)")
+    parser = argparse.ArgumentParser(prog="python -m preprocessing.inspect", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("path", metavar="PREFIX_OR_DIR", help="a shard directory, or one shard's prefix/.bin/.idx")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer dir for decoding; none: the manifest's")
     parser.add_argument("--documents", type=int, default=3, help="decoded documents to show per split")
     args = parser.parse_args(argv)
     print(inspect_path(args.path, args.tokenizer, args.documents))

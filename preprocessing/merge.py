@@ -8,7 +8,7 @@ must be present. Shards are hard-linked (copied across filesystems, or with
 ``--copy``) into ``SHARD_DIR/{train,valid}/shard-NNNNN`` in slice order, so the
 merged splits hold the documents in the same order as a single run would.
 Counts, skips and per-source document counts are summed; ``manifest.json`` is
-written last.
+written last. A non-empty ``SHARD_DIR`` is refused unless ``--force`` is given.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from convbert_ds.formats.shard_manifest import read_manifest, shard_prefix, split_entry, write_manifest
+from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty
 from preprocessing.encode import SPLITS
-from preprocessing.errors import PreprocessingError, run_cli
-from preprocessing.shard import FORMAT_VERSION, MANIFEST, REPAIRED, SKIPPED, write_json_atomic, read_manifest
+from preprocessing.errors import HelpFormatter, PreprocessingError, run_cli
+from preprocessing.shard import REPAIRED, SKIPPED, clear_output, summary_table
 
 
 def _same(manifests: list[tuple[Path, dict]], key, what: str) -> None:
@@ -32,8 +34,13 @@ def _same(manifests: list[tuple[Path, dict]], key, what: str) -> None:
             raise PreprocessingError(f"{d} and {first_dir} differ in {what}; they are not slices of one run")
 
 
-def merge_slices(slice_dirs: list[str], out: str | os.PathLike, copy: bool = False) -> dict:
-    """Merge slice directories into ``out``; return the merged manifest."""
+def merge_slices(slice_dirs: list[str], out: str | os.PathLike, copy: bool = False,
+                 overwrite: bool = False) -> dict:
+    """Merge slice directories into ``out``; return the merged manifest. ``overwrite``: replace shards in ``out``."""
+    root = Path(out)
+    if any(Path(d).resolve() == root.resolve() for d in slice_dirs):
+        raise PreprocessingError(f"--out {root} is one of the slice directories; choose a new directory")
+    refuse_non_empty(root, overwrite, PreprocessingError)
     if not slice_dirs:
         raise PreprocessingError("no slice directories given")
     manifests = [(Path(d), read_manifest(d)) for d in slice_dirs]
@@ -51,9 +58,8 @@ def merge_slices(slice_dirs: list[str], out: str | os.PathLike, copy: bool = Fal
     elif any(s is not None for s in slices):
         raise PreprocessingError("mixing slice directories with whole-corpus shard directories")
 
-    root = Path(out)
-    if root.exists() and any(root.iterdir()):
-        raise PreprocessingError(f"{root} exists and is not empty")
+    if root.is_dir():
+        clear_output(root)  # only with overwrite: the manifest goes first, so a crash leaves no stale one
     base = manifests[0][1]
     splits = {}
     for split in SPLITS:
@@ -61,12 +67,11 @@ def merge_slices(slice_dirs: list[str], out: str | os.PathLike, copy: bool = Fal
         shards = []
         for d, m in manifests:
             for shard in m["splits"][split]["shards"]:
-                prefix = f"{split}/shard-{len(shards):05d}"
+                prefix = shard_prefix(split, len(shards))
                 for ext in ("bin", "idx"):
                     _place(d / f"{shard['prefix']}.{ext}", root / f"{prefix}.{ext}", copy)
                 shards.append({**shard, "prefix": prefix})
-        splits[split] = {key: sum(s[key] for s in shards) for key in ("documents", "sequences", "tokens")}
-        splits[split]["shards"] = shards
+        splits[split] = split_entry(shards)
 
     sources = [dict(s) for s in base["sources"]]
     for i, source in enumerate(sources):
@@ -74,7 +79,6 @@ def merge_slices(slice_dirs: list[str], out: str | os.PathLike, copy: bool = Fal
     skipped = {k: sum(m["skipped"][k] for _, m in manifests) for k in SKIPPED}
     skipped["blank_files"] = sum(1 for s in sources if s["documents"] == 0)
     manifest = {
-        "format_version": FORMAT_VERSION,
         "tokenizer": base["tokenizer"],
         "dtype": base["dtype"],
         "splits": splits,
@@ -87,32 +91,29 @@ def merge_slices(slice_dirs: list[str], out: str | os.PathLike, copy: bool = Fal
         "merged_from": [{"dir": str(d), "slice": m["slice"]} for d, m in manifests],
         "fingerprint": hashlib.sha256("".join(m["fingerprint"] for _, m in manifests).encode()).hexdigest(),
     }
-    write_json_atomic(root / MANIFEST, manifest)
-    return manifest
+    return write_manifest(root, manifest)
 
 
 def _place(src: Path, dst: Path, copy: bool) -> None:
-    tmp = dst.with_name(dst.name + ".tmp")
-    tmp.unlink(missing_ok=True)
+    """Hard-link (or copy) a shard file; no temporary name: until the manifest is written nothing counts."""
     if not copy:
         try:
-            os.link(src, tmp)
+            return os.link(src, dst)
         except OSError:
-            copy = True
-    if copy:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+            pass
+    shutil.copyfile(src, dst)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m preprocessing.merge", description=__doc__.split("\n\n")[0])
-    parser.add_argument("slice_dirs", nargs="+", metavar="SLICE_DIR")
+    parser = argparse.ArgumentParser(prog="python -m preprocessing.merge", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("slice_dirs", nargs="+", metavar="SLICE_DIR", help="the N shard --slice i/N directories")
     parser.add_argument("--out", required=True, help="shard directory to create")
     parser.add_argument("--copy", action="store_true", help="copy shards instead of hard-linking them")
+    parser.add_argument(FORCE_FLAG, "--overwrite", dest="overwrite", action="store_true",
+                        help="replace the shards of a non-empty --out")
     args = parser.parse_args(argv)
-    from preprocessing.shard import summary_table
-
-    manifest = merge_slices(args.slice_dirs, args.out, args.copy)
+    manifest = merge_slices(args.slice_dirs, args.out, args.copy, args.overwrite)
     print(f"merged {len(args.slice_dirs)} slice directories into {args.out}")
     print(summary_table(manifest))
 

@@ -1,12 +1,7 @@
 """Tokenize a corpus into megatron-core shards: parallel, bounded in memory, resumable.
 
-``python -m preprocessing.shard --input GLOB... --tokenizer DIR --out SHARD_DIR [--workers N]``
-
-Output::
-
-    SHARD_DIR/manifest.json                  counts, sha256 of every file, sources, skips
-    SHARD_DIR/train/shard-00000.{bin,idx}    megatron-core IndexedDataset, one sequence
-    SHARD_DIR/valid/shard-00000.{bin,idx}    per line, one document per document
+``python -m preprocessing.shard --input GLOB... --tokenizer DIR --out SHARD_DIR [--workers N]`` writes
+SHARD_DIR/manifest.json and SHARD_DIR/{train,valid}/shard-NNNNN.{bin,idx} (see ``convbert_ds.formats``).
 
 How it runs: the parent reads the inputs as chunks of whole documents
 (``sources``), workers tokenize them (``encode``), and the parent appends the
@@ -36,34 +31,37 @@ import collections
 import fcntl
 import hashlib
 import json
-import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
-import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
 
+from convbert_ds.formats.shard_manifest import (
+    MANIFEST, PROGRESS, SHARD_FILES, ShardManifestError, check_shard_file, read_manifest, shard_prefix, split_entry,
+    write_manifest)
+from convbert_ds.fsutil import FORCE_FLAG, write_json_atomically
 from preprocessing.documents import MAX_LINE_CHARS
-from preprocessing.encode import SPLITS, EncodeOptions, LineEncoder, encode_chunk, encode_in_worker, init_worker
-from preprocessing.errors import PreprocessingError, run_cli
-from preprocessing.indexed import ShardWriter, commit_shard, file_sha256, fsync_dir
+from preprocessing.encode import SPLITS, EncodeOptions, EncoderPool
+from preprocessing.errors import HelpFormatter, PreprocessingError, run_cli
+from preprocessing.indexed import ShardWriter, commit_shard
 from preprocessing.sources import Source, iter_chunks, parse_slice, plan_slice, range_bytes, resolve_inputs
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 
-FORMAT_VERSION = 1
 DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_VALID_FRACTION = 0.01
-MANIFEST = "manifest.json"
-PROGRESS = "progress.json"
 SKIPPED = ("empty_documents", "empty_sequences", "blank_files")
 REPAIRED = ("invalid_utf8_bytes", "long_lines_split", "long_documents_split")
-_SHARD_FILE = re.compile(r"shard-\d+\.(bin|idx|lens|docs)(\.tmp)?$")
+# Test-only: the process SIGKILLs itself once a checkpoint records this many input chunks as done, so the
+# crash/resume test crashes at a chosen point instead of racing a poll loop. Never set it otherwise.
+_TEST_STOP_AFTER_UNITS = "CONVBERT_DS_TEST_STOP_AFTER_UNITS"
+_SHARD_FILE_NAME = re.compile(r"shard-\d+\.(bin|idx|lens|docs)(\.tmp)?$")
+_JSON_TMP_NAME = re.compile(r"\.?(manifest|progress)\.json\.tmp(-\d+)?")  # fsutil's (and older) temp names
 
 
 def default_workers() -> int:
@@ -73,65 +71,13 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 # ---------------------------------------------------------------------------
-# reading and validating a finished shard directory
-
-
-def read_manifest(shard_dir: str | os.PathLike, verify: bool = True) -> dict:
-    """Load ``SHARD_DIR/manifest.json`` and check every listed file exists with its size and sha256.
-
-    ``verify=False`` checks sizes only (fast). Problems raise ``PreprocessingError`` naming the file.
-    """
-    root = Path(shard_dir)
-    path = root / MANIFEST
-    if not path.is_file():
-        hint = " (the run is unfinished: rerun it to resume)" if (root / PROGRESS).is_file() else ""
-        raise PreprocessingError(f"{path}: no manifest{hint}")
-    try:
-        manifest = json.loads(path.read_text())
-    except ValueError as e:
-        raise PreprocessingError(f"{path}: not valid JSON ({e})") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise PreprocessingError(f"{path}: format_version {manifest.get('format_version')!r}, "
-                                 f"expected {FORMAT_VERSION}")
-    for split in manifest["splits"].values():
-        for shard in split["shards"]:
-            for ext in ("bin", "idx"):
-                _check_file(root / f"{shard['prefix']}.{ext}", shard["bytes"][ext], shard["sha256"][ext], verify)
-    return manifest
-
-
-def _check_file(path: Path, size: int, sha256: str, verify: bool = True) -> None:
-    if not path.is_file():
-        raise PreprocessingError(f"{path}: missing (listed in the manifest)")
-    if path.stat().st_size != size:
-        raise PreprocessingError(f"{path}: {path.stat().st_size} bytes, the manifest says {size}")
-    if verify and file_sha256(path) != sha256:
-        raise PreprocessingError(f"{path}: sha256 differs from the manifest (corrupted or replaced)")
-
-
-def shard_paths(shard_dir: str | os.PathLike, split: str = "train") -> list[str]:
-    """Path prefixes of a split's shards, in order, for ``IndexedDataset(prefix)``."""
-    manifest = read_manifest(shard_dir, verify=False)
-    return [str(Path(shard_dir) / s["prefix"]) for s in manifest["splits"][split]["shards"]]
-
-
-# ---------------------------------------------------------------------------
-# one split's shards while writing
+# the output directory while it is written
 
 
 class _SplitWriter:
+    """One split's shards while writing: the finished ones' records and the open one."""
+
     def __init__(self, root: Path, name: str, dtype: str, shard_tokens: int, saved: dict | None):
         self.root, self.name, self.dtype, self.shard_tokens = root, name, dtype, shard_tokens
         (root / name).mkdir(parents=True, exist_ok=True)
@@ -139,13 +85,10 @@ class _SplitWriter:
         self.next_index: int = saved["next_index"] if saved else 0
         self.writer: ShardWriter | None = None
         if saved and saved["open"]:
-            self.writer = ShardWriter(self._prefix(self.next_index), dtype, resume=saved["open"])
+            self.writer = ShardWriter(self._path(self.next_index), dtype, resume=saved["open"])
 
-    def _prefix(self, index: int) -> Path:
-        return self.root / self.name / f"shard-{index:05d}"
-
-    def relative(self, index: int) -> str:
-        return f"{self.name}/shard-{index:05d}"
+    def _path(self, index: int) -> Path:
+        return self.root / shard_prefix(self.name, index)
 
     def add(self, part, skip: int, done: dict, close_shard) -> None:
         """Append ``part``'s documents from ``skip`` on; ``close_shard(self)`` when a shard fills up.
@@ -161,7 +104,7 @@ class _SplitWriter:
         d = skip
         while d < n:
             if self.writer is None:
-                self.writer = ShardWriter(self._prefix(self.next_index), self.dtype)
+                self.writer = ShardWriter(self._path(self.next_index), self.dtype)
             room = self.shard_tokens - self.writer.tokens
             # Take documents until the shard reaches shard_tokens (the last one may overshoot).
             end = int(np.searchsorted(tok_starts[d + 1:], tok_starts[d] + room, side="left")) + d + 1
@@ -182,7 +125,7 @@ class _SplitWriter:
             self.writer.discard()
             self.writer = None
             return None
-        record = {"prefix": self.relative(self.next_index), **self.writer.finish()}
+        record = {"prefix": shard_prefix(self.name, self.next_index), **self.writer.finish()}
         self.finished.append(record)
         self.writer = None
         self.next_index += 1
@@ -194,42 +137,42 @@ class _SplitWriter:
         return {"finished": self.finished, "next_index": self.next_index,
                 "open": self.writer.state() if self.writer is not None else None}
 
-    def totals(self) -> dict:
-        return {key: sum(s[key] for s in self.finished) for key in ("documents", "sequences", "tokens")}
-
 
 def _restore_finished(root: Path, record: dict) -> None:
     """Check a shard the checkpoint lists as finished; finish renaming it if the crash came first."""
-    for ext in ("bin", "idx"):
-        final, tmp = root / f"{record['prefix']}.{ext}", root / f"{record['prefix']}.{ext}.tmp"
-        path = final if final.exists() else tmp
+    for ext in SHARD_FILES:
+        final = root / f"{record['prefix']}.{ext}"
         try:
-            _check_file(path, record["bytes"][ext], record["sha256"][ext])
-        except PreprocessingError as e:
-            raise PreprocessingError(f"cannot resume: {e}; delete {root} (or pass --overwrite) to start over") \
+            check_shard_file(final if final.exists() else Path(f"{final}.tmp"), record, ext, root / PROGRESS)
+        except ShardManifestError as e:
+            raise PreprocessingError(f"cannot resume: {e}; delete {root} (or pass {FORCE_FLAG}) to start over") \
                 from None
     commit_shard(root / record["prefix"])
 
 
 def _remove_stray_files(root: Path, keep: set[str]) -> None:
+    """Delete shard files the checkpoint does not name, and temporary files of interrupted JSON writes."""
+    for f in root.iterdir():
+        if _JSON_TMP_NAME.fullmatch(f.name):
+            f.unlink()
     for split in SPLITS:
         d = root / split
         if d.is_dir():
             for f in d.iterdir():
-                if _SHARD_FILE.match(f.name) and f"{split}/{f.name}" not in keep:
+                if _SHARD_FILE_NAME.match(f.name) and f"{split}/{f.name}" not in keep:
                     f.unlink()
 
 
-def _clear_output(root: Path) -> None:
-    for name in (MANIFEST, PROGRESS, MANIFEST + ".tmp", PROGRESS + ".tmp"):
+def clear_output(root: Path) -> None:
+    for name in (MANIFEST, PROGRESS):
         (root / name).unlink(missing_ok=True)
     for split in SPLITS:
         shutil.rmtree(root / split, ignore_errors=True)
 
 
 def _check_output_dir(root: Path) -> None:
-    ours = {MANIFEST, PROGRESS, MANIFEST + ".tmp", PROGRESS + ".tmp", ".lock", *SPLITS}
-    other = sorted(p.name for p in root.iterdir() if p.name not in ours)
+    ours = {MANIFEST, PROGRESS, ".lock", *SPLITS}
+    other = sorted(p.name for p in root.iterdir() if p.name not in ours and not _JSON_TMP_NAME.fullmatch(p.name))
     if other:
         raise PreprocessingError(f"{root} holds files that are not shards ({', '.join(other[:3])}); "
                                  "choose an empty or new directory")
@@ -290,12 +233,12 @@ def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, work
         _check_output_dir(root)
         saved = None
         if overwrite:
-            _clear_output(root)
+            clear_output(root)
         elif (root / MANIFEST).is_file():
             manifest = read_manifest(root, verify=False)
             if manifest.get("fingerprint") != _digest(fingerprint):
                 raise PreprocessingError(f"{root} already holds shards made from other inputs, tokenizer or "
-                                         "settings; pass --overwrite to replace them")
+                                         f"settings; pass {FORCE_FLAG} to replace them")
             manifest = read_manifest(root)
             (root / PROGRESS).unlink(missing_ok=True)
             if report:
@@ -308,7 +251,7 @@ def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, work
                 changed = [k for k in fingerprint if saved["fingerprint"].get(k) != fingerprint[k]]
                 raise PreprocessingError(
                     f"{root} holds an interrupted run with different {' and '.join(changed)}; rerun it with the "
-                    "same inputs and settings to resume, or pass --overwrite to start over")
+                    f"same inputs and settings to resume, or pass {FORCE_FLAG} to start over")
         run = _Run(root, tok, sources, ranges, fingerprint, settings, tokenizer, saved, checkpoint_every)
         run.execute(workers, progress)
         manifest = run.write_manifest()
@@ -348,6 +291,7 @@ class _Run:
         self.done_in_chunk = {s: 0 for s in SPLITS}
         self.processed = {"documents": 0, "tokens": 0}
         self._uncommitted: list[str] = []
+        self._stop_after = int(os.environ.get(_TEST_STOP_AFTER_UNITS) or 0)
 
     # -- checkpoints -------------------------------------------------------
 
@@ -356,10 +300,12 @@ class _Run:
                  "done_in_chunk": dict(self.done_in_chunk), "stats": self.stats,
                  "source_documents": self.source_documents,
                  "splits": {name: split.saved() for name, split in self.splits.items()}}
-        write_json_atomic(self.root / PROGRESS, state)
+        write_json_atomically(self.root / PROGRESS, state, indent=1)
         for prefix in self._uncommitted:
             commit_shard(self.root / prefix)
         self._uncommitted.clear()
+        if self._stop_after and self.chunk >= self._stop_after:  # test-only, see _TEST_STOP_AFTER_UNITS
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _close_shard(self, split: _SplitWriter) -> None:
         record = split.finish_open()
@@ -378,7 +324,7 @@ class _Run:
                              self.settings["max_document_bytes"], start=(self.chunk, self.position))
         since_checkpoint = 0
         # The pool first: the progress bar starts a thread, and threads rule out fork.
-        with _encoder_pool(workers, self.tok, self.options) as submit:
+        with EncoderPool(workers, self.tok.worker_spec(), self.options) as submit:
             bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, disable=not progress, desc="shard",
                        dynamic_ncols=True, file=sys.stderr)
             start = time.perf_counter()
@@ -434,10 +380,9 @@ class _Run:
         stats = dict(self.stats)
         stats["blank_files"] = sum(1 for i in whole if self.source_documents[i] == 0)
         manifest = {
-            "format_version": FORMAT_VERSION,
             "tokenizer": {"dir": str(self.tokenizer_arg), **self.tok.describe()},
             "dtype": self.tok.dtype,
-            "splits": {name: {**split.totals(), "shards": split.finished} for name, split in self.splits.items()},
+            "splits": {name: split_entry(split.finished) for name, split in self.splits.items()},
             "documents_read": stats["documents_read"],
             "skipped": {k: stats[k] for k in SKIPPED},
             "repaired": {k: stats[k] for k in REPAIRED},
@@ -446,54 +391,9 @@ class _Run:
             "slice": self.settings["slice"],
             "fingerprint": _digest(self.fingerprint),
         }
-        write_json_atomic(self.root / MANIFEST, manifest)
+        manifest = write_manifest(self.root, manifest)
         (self.root / PROGRESS).unlink(missing_ok=True)
         return manifest
-
-
-def _start_method() -> str:
-    """Start workers by fork when this process holds nothing that forking breaks, else by spawn.
-
-    A forked worker starts in milliseconds with the tokenizer already loaded; a
-    spawned one re-imports everything (about half a second, 10% of a 60 MB
-    run). Forking is unsafe once other Python threads run or libraries with
-    their own thread pools are loaded (torch, HF tokenizers), e.g. when the
-    trainer or a test suite calls ``shard_corpus``; then spawn.
-    """
-    unsafe = ("torch", "tokenizers", "transformers")
-    if ("fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
-            and not any(name in sys.modules for name in unsafe)):
-        return "fork"
-    return "spawn"
-
-
-class _encoder_pool:
-    """``submit(chunk) -> Future`` over worker processes, or in this process for ``workers == 0``."""
-
-    def __init__(self, workers: int, tok: Tokenizer, options: EncodeOptions):
-        self.workers, self.tok, self.options = workers, tok, options
-        self.executor = None
-
-    def __enter__(self):
-        if self.workers == 0:
-            encoder = LineEncoder(self.tok.worker_spec(), single_thread=False)
-
-            def submit(chunk) -> Future:
-                f: Future = Future()
-                try:
-                    f.set_result(encode_chunk(chunk, encoder, self.options))
-                except PreprocessingError as e:
-                    f.set_exception(e)
-                return f
-            return submit
-        context = multiprocessing.get_context(_start_method())
-        self.executor = ProcessPoolExecutor(self.workers, mp_context=context, initializer=init_worker,
-                                            initargs=(self.tok.worker_spec(), self.options, os.getpid()))
-        return lambda chunk: self.executor.submit(encode_in_worker, chunk)
-
-    def __exit__(self, *exc) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 # ---------------------------------------------------------------------------
@@ -523,27 +423,32 @@ def summary_table(manifest: dict, seconds: float | None = None, processed: dict 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m preprocessing.shard", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m preprocessing.shard", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--input", nargs="+", action="extend", required=True, metavar="GLOB",
                         help="text/JSONL/JSON/Parquet files, save_to_disk dirs, globs; .gz/.bz2/.xz/.zst ok")
     parser.add_argument("--tokenizer", required=True, help="tokenizer dir (preprocessing.tokenizer, or a HF one)")
     parser.add_argument("--out", required=True, help="shard directory to write (or resume)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="tokenizer processes (default: all cores; 0: tokenize in this process)")
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
-    parser.add_argument("--valid-fraction", type=float, default=DEFAULT_VALID_FRACTION)
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="tokenizer processes (0: tokenize in this process); the default is all cores")
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                        help="a shard closes at the first document end past this many tokens")
+    parser.add_argument("--valid-fraction", type=float, default=DEFAULT_VALID_FRACTION,
+                        help="share of documents (by a hash of their text) in the valid split")
     parser.add_argument("--split-seed", type=int, default=0, help="key of the train/valid document hash")
-    parser.add_argument("--slice", default=None, metavar="i/N", help="process the i-th (from 0) of N input slices")
+    parser.add_argument("--slice", default=None, metavar="i/N",
+                        help="process the i-th (from 0) of N input slices; none: all of the input")
     parser.add_argument("--strict", action="store_true", help="invalid UTF-8 is an error instead of replaced")
     parser.add_argument("--text-field", default="text", help="field holding the text in JSON/Parquet/Arrow inputs")
     parser.add_argument("--block-bytes", type=int, default=1 << 20, help="input bytes per unit of work")
     parser.add_argument("--checkpoint-every", type=int, default=64, help="chunks between checkpoints")
-    parser.add_argument("--overwrite", action="store_true", help="replace shards made with other inputs/settings")
-    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    parser.add_argument(FORCE_FLAG, "--overwrite", dest="overwrite", action="store_true",
+                        help="replace shards made with other inputs/settings, or an interrupted run's")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     shard_corpus(args.input, args.tokenizer, args.out, args.workers, args.shard_tokens, args.valid_fraction,
                  args.slice, args.strict, args.text_field, args.split_seed, args.block_bytes,
-                 checkpoint_every=args.checkpoint_every, overwrite=args.overwrite, progress=args.progress,
+                 checkpoint_every=args.checkpoint_every, overwrite=args.overwrite, progress=not args.no_progress,
                  report=print)
 
 

@@ -70,7 +70,7 @@ def open_binary(source: Source) -> BinaryIO:
     if source.compression == "xz":
         return lzma.open(source.path, "rb")
     if source.compression == "zstd":
-        import zstandard
+        import zstandard  # optional: needed only for .zst inputs
 
         raw = open(source.path, "rb")
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
@@ -81,7 +81,7 @@ def open_binary(source: Source) -> BinaryIO:
 def _read_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [OSError, EOFError, zlib.error, lzma.LZMAError, ValueError]
     try:
-        import zstandard
+        import zstandard  # optional: needed only for .zst inputs
 
         errors.append(zstandard.ZstdError)
     except ImportError:
@@ -156,7 +156,8 @@ def _check_source(path: str, text_field: str) -> Source:
         if os.path.isdir(path):
             size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
             source = Source(path, "arrow", None, size, os.stat(path).st_mtime_ns)
-            _check_arrow(source, text_field)
+            for ds in _arrow_datasets(source):
+                _check_column(source, ds.column_names, text_field)
             return source
         st = os.stat(path)
         fmt, compression = _format_of(path)
@@ -179,9 +180,21 @@ def _check_source(path: str, text_field: str) -> Source:
         raise PreprocessingError(f"cannot read {path}: {e}") from None
 
 
-def _check_jsonl(source: Source, text_field: str) -> None:
-    from preprocessing.documents import record_text
+def record_text(record: object, text_field: str, where: str) -> str | None:
+    """The text of one JSON record; ``None`` for a null field; an error if it is missing."""
+    if not isinstance(record, dict):
+        raise PreprocessingError(f"{where}: expected a JSON object, found {type(record).__name__}")
+    if text_field not in record:
+        fields = ", ".join(sorted(map(str, record))[:10]) or "none"
+        raise PreprocessingError(f"{where}: no field {text_field!r} (fields: {fields}); "
+                                 "pick one with --text-field")
+    value = record[text_field]
+    if value is not None and not isinstance(value, str):
+        raise PreprocessingError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string")
+    return value
 
+
+def _check_jsonl(source: Source, text_field: str) -> None:
     with open_binary(source) as f:
         offset = 0
         for line in f:
@@ -196,26 +209,19 @@ def _check_jsonl(source: Source, text_field: str) -> None:
             offset += len(line)
 
 
-def _check_arrow(source: Source, text_field: str) -> None:
-    for ds in _arrow_datasets(source):
-        if text_field not in ds.column_names:
-            raise PreprocessingError(f"{source.path}: no column {text_field!r} (columns: "
-                                     f"{', '.join(ds.column_names)}); pick one with --text-field")
+def _check_column(source: Source, columns: list[str], text_field: str) -> None:
+    if text_field not in columns:
+        raise PreprocessingError(f"{source.path}: no column {text_field!r} (columns: {', '.join(columns)}); "
+                                 "pick one with --text-field")
 
 
 def _check_with_datasets(source: Source, text_field: str) -> None:
     if source.format == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy: only for Parquet inputs
 
-        names = pq.read_schema(source.path).names
-        if text_field not in names:
-            raise PreprocessingError(f"{source.path}: no column {text_field!r} (columns: {', '.join(names)}); "
-                                     "pick one with --text-field")
-        return
+        return _check_column(source, pq.read_schema(source.path).names, text_field)
     first = next(iter(_streaming_dataset(source)), None)
     if first is not None:
-        from preprocessing.documents import record_text
-
         record_text(first, text_field, f"{source.path}: record 0")
 
 
@@ -224,7 +230,7 @@ def _check_with_datasets(source: Source, text_field: str) -> None:
 
 
 def _streaming_dataset(source: Source):
-    import datasets
+    import datasets  # heavy (seconds): only for Parquet/JSON/Arrow inputs
 
     datasets.disable_progress_bars()
     builder = "parquet" if source.format == "parquet" else "json"
@@ -232,7 +238,7 @@ def _streaming_dataset(source: Source):
 
 
 def _arrow_datasets(source: Source) -> list:
-    import datasets
+    import datasets  # heavy (seconds): only for Parquet/JSON/Arrow inputs
 
     datasets.disable_progress_bars()
     loaded = datasets.load_from_disk(source.path)

@@ -27,12 +27,13 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
+from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty, write_dir_atomically
 from preprocessing.documents import MAX_LINE_CHARS, iter_documents
-from preprocessing.errors import PreprocessingError, run_cli
+from preprocessing.errors import HelpFormatter, PreprocessingError, run_cli
+from preprocessing.sources import resolve_inputs
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
@@ -97,7 +98,7 @@ class SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"
 
     def __init__(self, directory: Path, model_file: Path):
-        import sentencepiece
+        import sentencepiece  # loaded only for the tokenizer kind in use
 
         self.dir = directory
         self.model_proto = model_file.read_bytes()
@@ -135,7 +136,7 @@ class HFTokenizer(Tokenizer):
     kind = "huggingface"
 
     def __init__(self, directory: Path):
-        import transformers
+        import transformers  # heavy (seconds): only for HF tokenizer dirs
 
         transformers.logging.set_verbosity_error()
         try:
@@ -200,7 +201,7 @@ def _quantize_scores(model_proto: bytes, step: float = 1 / 64) -> bytes:
     true ties, and both libraries break them the same way. The change to any
     score is below 1/128 nats, far below what separates real alternatives.
     """
-    from sentencepiece import sentencepiece_model_pb2 as pb
+    from sentencepiece import sentencepiece_model_pb2 as pb  # protobuf: only when training
 
     m = pb.ModelProto()
     m.ParseFromString(model_proto)
@@ -214,6 +215,7 @@ def _quantize_scores(model_proto: bytes, step: float = 1 / 64) -> bytes:
 
 def sentencepiece_to_hf(model_proto: bytes):
     """Build a ``tokenizers.Tokenizer`` that encodes exactly like the sentencepiece model."""
+    # Only when training: protobuf and the HF tokenizers library are not needed to shard.
     from sentencepiece import sentencepiece_model_pb2 as pb
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFBackend
@@ -292,17 +294,12 @@ def train_tokenizer(inputs: list[str], out: str | os.PathLike, vocab_size: int =
     corpus, are held in memory. The directory appears only when complete.
     Returns the output directory.
     """
-    import sentencepiece as spm
-
-    from preprocessing.sources import resolve_inputs
+    import sentencepiece as spm  # loaded only for the tokenizer kind in use
 
     if model_type not in ("unigram", "bpe"):
         raise PreprocessingError(f"--model-type {model_type!r}: expected unigram or bpe")
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise PreprocessingError(f"{out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise PreprocessingError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    refuse_non_empty(out, overwrite, PreprocessingError)
     sources = resolve_inputs(inputs, text_field)
 
     stats: dict[str, int] = {}
@@ -331,46 +328,45 @@ def train_tokenizer(inputs: list[str], out: str | os.PathLike, vocab_size: int =
         raise PreprocessingError(f"sentencepiece training failed: {e}") from None
     proto = _quantize_scores(model.getvalue())
 
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "tokenizer.model").write_bytes(proto)
-    write_hf_files(tmp, proto)
-    tok = SentencePieceTokenizer(tmp, tmp / "tokenizer.model")
-    summary = {"vocab_size": tok.vocab_size, "requested_vocab_size": vocab_size, "model_type": model_type,
-               "special_ids": tok.special_ids, "sha256": tok.sha256,
-               "sources": [s.describe() for s in sources], "read": stats,
-               "settings": {"input_sentence_size": input_sentence_size, "character_coverage": character_coverage,
-                            "byte_fallback": byte_fallback, "text_field": text_field, "seed": seed}}
-    (tmp / "preprocessing_tokenizer.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out)
-    return out
+    def fill(tmp: Path) -> None:
+        (tmp / "tokenizer.model").write_bytes(proto)
+        write_hf_files(tmp, proto)
+        tok = SentencePieceTokenizer(tmp, tmp / "tokenizer.model")
+        summary = {"vocab_size": tok.vocab_size, "requested_vocab_size": vocab_size, "model_type": model_type,
+                   "special_ids": tok.special_ids, "sha256": tok.sha256,
+                   "sources": [s.describe() for s in sources], "read": stats,
+                   "settings": {"input_sentence_size": input_sentence_size,
+                                "character_coverage": character_coverage, "byte_fallback": byte_fallback,
+                                "text_field": text_field, "seed": seed}}
+        (tmp / "preprocessing_tokenizer.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    return write_dir_atomically(out, fill)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m preprocessing.tokenizer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m preprocessing.tokenizer", description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--input", nargs="+", action="extend", required=True, metavar="GLOB",
                         help="text/JSONL/JSON/Parquet files, save_to_disk dirs, globs; .gz/.bz2/.xz/.zst ok")
     parser.add_argument("--out", required=True, help="tokenizer directory to write")
-    parser.add_argument("--vocab-size", type=int, default=30522)
-    parser.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
+    parser.add_argument("--vocab-size", type=int, default=30522, help="pieces in the vocabulary")
+    parser.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram", help="sentencepiece model")
     parser.add_argument("--text-field", default="text", help="field holding the text in JSON/Parquet/Arrow inputs")
     parser.add_argument("--input-sentence-size", type=int, default=2_000_000,
                         help="lines sampled for training (bounds memory)")
-    parser.add_argument("--character-coverage", type=float, default=0.9995)
-    parser.add_argument("--no-byte-fallback", dest="byte_fallback", action="store_false",
+    parser.add_argument("--character-coverage", type=float, default=0.9995,
+                        help="share of characters the vocabulary covers")
+    parser.add_argument("--no-byte-fallback", action="store_true",
                         help="map unknown characters to [UNK] instead of UTF-8 byte pieces")
     parser.add_argument("--strict", action="store_true", help="invalid UTF-8 is an error instead of replaced")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="sentencepiece's random seed")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="training threads")
+    parser.add_argument(FORCE_FLAG, "--overwrite", dest="overwrite", action="store_true",
+                        help="replace a non-empty output directory")
     parser.add_argument("--verbose", action="store_true", help="show sentencepiece's training log")
     args = parser.parse_args(argv)
     out = train_tokenizer(args.input, args.out, args.vocab_size, args.model_type, args.text_field,
-                          args.input_sentence_size, args.character_coverage, args.byte_fallback, args.strict,
+                          args.input_sentence_size, args.character_coverage, not args.no_byte_fallback, args.strict,
                           args.seed, args.threads, args.overwrite, args.verbose)
     summary = json.loads((out / "preprocessing_tokenizer.json").read_text())
     read = summary["read"]

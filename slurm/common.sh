@@ -59,7 +59,7 @@ cbd_start() {
   # submitting shell would win over them.
   unset RANK LOCAL_RANK WORLD_SIZE
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-  MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))  # as convbert_ds/distributed.py: jobs sharing a node differ
+  MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))  # as convbert_ds/engine/distributed.py: jobs sharing a node differ
   export MASTER_ADDR MASTER_PORT PYTHONUNBUFFERED=1
 }
 
@@ -113,21 +113,8 @@ cbd_tasks_per_node() {
 # checkpoint.dir from it.
 cbd_check_config() {
   local world=$1 out
-  out=$(python - "$world" "$CBD_CONFIG" "${CBD_OVERRIDES[@]}" <<'PY'
-import sys
-
-from convbert_ds.train import Trainer
-from convbert_ds.train_config import load_config
-
-world, config, overrides = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
-try:
-    cfg = load_config(config, overrides)
-    Trainer(cfg, world)
-except (ValueError, FileNotFoundError) as error:  # ConfigError is a ValueError
-    sys.exit(f"config error ({world} processes): {error}")
-print(f"checkpoint_dir={cfg.checkpoint.dir}")
-PY
-  ) || cbd_die "$CBD_CONFIG with ${CBD_OVERRIDES[*]:-no overrides} is not valid (above); nothing was started"
+  out=$(python -m convbert_ds.train --config "$CBD_CONFIG" "${CBD_OVERRIDES[@]}" --check-config --world-size "$world") ||
+    cbd_die "$CBD_CONFIG with ${CBD_OVERRIDES[*]:-no overrides} is not valid (above); nothing was started"
   CBD_CKPT_DIR=$(sed -n 's/^checkpoint_dir=//p' <<<"$out" | tail -n 1)
   cbd_log "config $CBD_CONFIG valid for $world processes; checkpoints in $CBD_CKPT_DIR"
 }

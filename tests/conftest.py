@@ -32,18 +32,6 @@ def tiny_corpus(tmp_path_factory):
     return {"corpus": corpus, "tokenizer": tokenizer, "shards": root / "shards"}
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """A real one-node Slurm cluster on loopback (tests/slurm_cluster.py), started once for the session."""
-    from slurm_cluster import SlurmCluster, SlurmUnavailable
-
-    try:
-        with SlurmCluster(tmp_path_factory.mktemp("slurm")) as slurm:  # stops the daemons however we leave
-            yield slurm
-    except SlurmUnavailable as error:  # only start() raises it: no slurm-wlm and no way to install it
-        pytest.skip(str(error))
-
-
 _REPORTED: set[str] = set()  # a failing module fixture fails every test that uses it: print its error once
 
 

@@ -21,6 +21,13 @@ def env() -> dict:
             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m ARGS`` in the repository, output captured (the preprocessing command lines)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd or REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def free_port() -> str:
     """A port nobody listens on now, so tests never collide with another run's rendezvous."""
     with socket.socket() as s:

@@ -8,18 +8,20 @@
 ``reader``: any checkpoint the trainer writes -> one fp32 state dict under ``ElectraForPretraining`` names;
 ``to_hf``: that state dict -> ``discriminator/`` + ``generator/`` transformers directories (layout there);
 ``verify``: ``--verify``, our model against transformers on the output;
-``from_hf``: a transformers directory -> an INIT_DIR the trainer starts from (format there).
+``from_hf``: a transformers directory -> an INIT_DIR the trainer starts from (format and readers:
+``convbert_ds.formats.init_dir``).
 """
 
-from convbert_ds.convert.from_hf import (
-    convert_from_hf,
+from convbert_ds.convert.from_hf import convert_from_hf
+from convbert_ds.convert.reader import open_checkpoint, read_state_dict
+from convbert_ds.convert.to_hf import RTD_HEAD_FILE, convert_checkpoint, export_model, write_hf
+from convbert_ds.formats.init_dir import (
+    ConvertError,
     init_generator_config,
     init_model_config,
     load_init_weights,
     read_init,
 )
-from convbert_ds.convert.reader import ConvertError, open_checkpoint, read_state_dict
-from convbert_ds.convert.to_hf import RTD_HEAD_FILE, convert_checkpoint, export_model, write_hf
 
 __all__ = [
     "RTD_HEAD_FILE", "ConvertError", "convert_checkpoint", "convert_from_hf", "export_model", "init_generator_config",

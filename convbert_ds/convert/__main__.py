@@ -8,32 +8,30 @@ import io
 import shlex
 import sys
 
-from convbert_ds.config import ConfigError
-
-EXIT_BAD_INPUT = 2
+from convbert_ds.convert.from_hf import convert_from_hf
+from convbert_ds.convert.to_hf import convert_checkpoint
+from convbert_ds.errors import exit_on_user_error
+from convbert_ds.formats.init_dir import ConvertError
+from convbert_ds.fsutil import FORCE_FLAG
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise _UsageError(message)
-
-
-class _UsageError(Exception):
-    pass
+    def error(self, message):  # one line and exit code 2 like every other bad input, not usage + message
+        raise ConvertError(message)
 
 
 def parse_args(argv):
-    parser = _Parser(prog="python -m convbert_ds.convert",
+    parser = _Parser(prog="python -m convbert_ds.convert", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                      description="DeepSpeed checkpoint -> transformers ConvBERT (and back, with --from-hf).")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="CKPT_DIR", help="the trainer's checkpoint.dir (or one tag in it)")
     source.add_argument("--from-hf", metavar="HF_DIR", help="a transformers ConvBERT directory to start training from")
-    parser.add_argument("--out", required=True, help="output directory (refused if not empty, unless --force)")
-    parser.add_argument("--tag", help="checkpoint tag, e.g. step00010000 (default: the newest complete one)")
+    parser.add_argument("--out", required=True, help=f"output directory (refused if not empty, unless {FORCE_FLAG})")
+    parser.add_argument("--tag", help="checkpoint tag, e.g. step00010000 (None: the newest complete one)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weights' dtype in OUT")
     parser.add_argument("--verify", action="store_true",
                         help="compare our model on the checkpoint with transformers on OUT (max abs diff <= 1e-4)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    parser.add_argument(FORCE_FLAG, action="store_true", help="replace a non-empty OUT")
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="tokenizer dir, if the recorded one moved (must have the recorded sha256)")
     parser.add_argument("--from-hf-generator", metavar="GEN_DIR",
@@ -42,20 +40,19 @@ def parse_args(argv):
                         help="with --from-hf: the pretraining objective the INIT_DIR is for")
     args = parser.parse_args(argv)
     if args.checkpoint and (args.from_hf_generator or args.objective != "electra"):
-        raise _UsageError("--from-hf-generator and --objective go with --from-hf")
+        raise ConvertError("--from-hf-generator and --objective go with --from-hf")
     if args.from_hf and (args.tag or args.verify or args.dtype != "fp32"):
-        raise _UsageError("--tag, --verify and --dtype go with --checkpoint")
+        raise ConvertError("--tag, --verify and --dtype go with --checkpoint")
     return args
 
 
 def _import_quietly():
     """DeepSpeed logs its accelerator choice to stdout on import; the converter's output stays its own."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        import deepspeed  # noqa: F401
+        import deepspeed  # noqa: F401  # here, not at the top: only --checkpoint needs it, and quietly
 
 
 def run(args, command: str) -> str:
-    from convbert_ds.convert import convert_checkpoint, convert_from_hf
     if args.from_hf:
         init = convert_from_hf(args.from_hf, args.out, generator_dir=args.from_hf_generator,
                                objective=args.objective, tokenizer=args.tokenizer, force=args.force)
@@ -72,20 +69,12 @@ def run(args, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from convbert_ds.convert.reader import ConvertError
-    from convbert_ds.model.hf_io import WeightsError
-    from preprocessing.errors import PreprocessingError
-
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args = parse_args(argv)
-        print(run(args, "python -m convbert_ds.convert " + shlex.join(argv)))
-    except (_UsageError, ConvertError, ConfigError, WeightsError, PreprocessingError, FileNotFoundError,
-            NotADirectoryError) as error:
-        message = " ".join(str(error).split())
-        print(f"convert error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    return 0
+
+    def convert() -> None:
+        print(run(parse_args(argv), "python -m convbert_ds.convert " + shlex.join(argv)))
+
+    return exit_on_user_error(convert, prefix="convert error")
 
 
 if __name__ == "__main__":

@@ -3,25 +3,8 @@
     python -m convbert_ds.convert --from-hf HF_DIR [--from-hf-generator GEN_DIR] [--objective electra|mlm]
                                   [--tokenizer DIR] --out INIT_DIR
 
-INIT_DIR (format ``convbert_ds.init`` version 1):
-
-    model.safetensors   ``ElectraForPretraining`` parameter names, each tensor once (tied names are
-                        implied: the generator's embeddings and LM-head matrix are the discriminator's
-                        embeddings). electra: ``discriminator.convbert.*`` from HF_DIR's body,
-                        ``discriminator.discriminator_predictions.*`` when HF_DIR has an RTD head
-                        (``rtd_head.safetensors`` as this converter writes it, or inside its weights),
-                        ``generator.*`` from GEN_DIR (its embeddings must equal the body's).
-                        mlm: ``generator.convbert.*`` and, when HF_DIR is a ConvBertForMaskedLM, its head.
-    init.json           {"format", "format_version", "objective", "model": ModelConfig dict (the main body),
-                         "generator": ModelConfig dict or null, "tensors": [names in model.safetensors],
-                         "tokenizer": {"dir": "tokenizer", kind, vocab_size, special_ids, sha256},
-                         "sources": {...}, "notes": [...]}
-    tokenizer/          the tokenizer files (HF_DIR's, or --tokenizer's): shard corpora with
-                        ``python -m preprocessing.shard --tokenizer INIT_DIR/tokenizer``
-    README.md
-
-Whatever model.safetensors lacks (the generator unless GEN_DIR is given; the RTD head unless HF_DIR has
-one) is initialised fresh: ``load_init_weights`` returns those names.
+The INIT_DIR format and its readers (``read_init``, ``load_init_weights``, ...) are the on-disk contract
+in ``convbert_ds.formats.init_dir``; this module is its writer.
 """
 
 from __future__ import annotations
@@ -34,11 +17,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from convbert_ds.config import OBJECTIVES, ElectraConfig, ModelConfig
-from convbert_ds.convert.reader import ConvertError
-from convbert_ds.convert.to_hf import RTD_HEAD_FILE, check_out, tokenizer_files
-from convbert_ds.model.hf_io import WeightsError, read_weights, write_atomically
-
-INIT_FORMAT, INIT_FORMAT_VERSION, INIT_FILE, WEIGHTS_FILE = "convbert_ds.init", 1, "init.json", "model.safetensors"
+from convbert_ds.convert.to_hf import RTD_HEAD_FILE, tokenizer_files
+from convbert_ds.formats.init_dir import (
+    INIT_FILE,
+    INIT_FORMAT,
+    INIT_FORMAT_VERSION,
+    WEIGHTS_FILE,
+    ConvertError,
+    match_weights,
+)
+from convbert_ds.fsutil import refuse_non_empty, write_dir_atomically
+from convbert_ds.model import ConvBertForMaskedLM, ConvBertModel, ElectraForPretraining
+from convbert_ds.model.hf_io import WeightsError, read_weights
+from preprocessing.tokenizer import load_tokenizer
 _RTD = "discriminator_predictions."
 
 
@@ -59,26 +50,16 @@ def _rtd_head(hf_dir: Path, hidden_size: int) -> dict[str, torch.Tensor]:
     return {_RTD + key: head[_RTD + key] for key in expected}
 
 
-def _tied_groups(model: torch.nn.Module) -> dict[str, list[str]]:
-    """Canonical parameter name -> every name of that tensor."""
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return {names[0]: names for names in groups.values()}
-
-
 def convert_from_hf(hf_dir, out, generator_dir=None, objective: str = "electra", tokenizer=None,
                     force: bool = False) -> dict:
-    """Write INIT_DIR (see the module docstring); returns its init.json."""
-    from convbert_ds.model import ConvBertForMaskedLM, ConvBertModel, ElectraForPretraining
-    from preprocessing.tokenizer import load_tokenizer
+    """Write INIT_DIR (see ``convbert_ds.formats.init_dir``); returns its init.json."""
 
     hf_dir, out = Path(hf_dir), Path(out)
     if objective not in OBJECTIVES:
         raise ConvertError(f"--objective {objective!r}: use one of {OBJECTIVES}")
     if objective == "mlm" and generator_dir is not None:
         raise ConvertError("--from-hf-generator needs --objective electra (an mlm model has no separate generator)")
-    check_out(out, force)
+    refuse_non_empty(out, force, error=ConvertError)
     for directory in (hf_dir, generator_dir):
         if directory is not None and not (Path(directory) / "config.json").is_file():
             raise ConvertError(f"{Path(directory) / 'config.json'} not found: not a transformers model directory")
@@ -136,8 +117,8 @@ def convert_from_hf(hf_dir, out, generator_dir=None, objective: str = "electra",
     # Fail now, not at the trainer's start, if the weights do not fit a model built from init.json.
     with torch.device("meta"):
         model = ElectraForPretraining(_electra_for_check(init))
-    _match(model, weights, "the converted weights")
-    write_atomically(out, fill)
+    match_weights(model, weights, "the converted weights")
+    write_dir_atomically(out, fill)
     return init
 
 
@@ -156,58 +137,3 @@ def _readme(init: dict) -> str:
             "`model.init_from_hf: THIS_DIR` and shard corpora with "
             "`python -m preprocessing.shard --tokenizer THIS_DIR/tokenizer`. Tensors not in model.safetensors "
             f"(here: {fresh}, and the RTD head unless listed in init.json) start from fresh initialisation.\n")
-
-
-def read_init(init_dir) -> dict:
-    path = Path(init_dir) / INIT_FILE
-    if not path.is_file():
-        raise ConvertError(f"{path} not found: {init_dir} is not a directory made by "
-                           "`python -m convbert_ds.convert --from-hf HF_DIR --out INIT_DIR`")
-    init = json.loads(path.read_text())
-    if init.get("format") != INIT_FORMAT or init.get("format_version") != INIT_FORMAT_VERSION:
-        raise ConvertError(f"{path}: format {init.get('format')!r} v{init.get('format_version')} is not "
-                           f"{INIT_FORMAT!r} v{INIT_FORMAT_VERSION}; re-run the conversion")
-    return init
-
-
-def init_model_config(init_dir) -> ModelConfig:
-    """The main body's config (the discriminator; the masked LM for objective mlm)."""
-    return ModelConfig.from_dict(read_init(init_dir)["model"])
-
-
-def init_generator_config(init_dir) -> ModelConfig | None:
-    """The generator's config when INIT_DIR has generator weights, else None (the trainer picks one)."""
-    generator = read_init(init_dir)["generator"]
-    return ModelConfig.from_dict(generator) if generator else None
-
-
-@torch.no_grad()
-def load_init_weights(model, init_dir) -> list[str]:
-    """Copy INIT_DIR's weights into ``model`` (an ``ElectraForPretraining``); returns the canonical names of
-    the parameters left as initialised (tied names count once). Every tensor in the file must fit."""
-    init = read_init(init_dir)
-    if model.config.objective != init["objective"]:
-        raise ConvertError(f"{init_dir} was made for objective {init['objective']!r} but the model's is "
-                           f"{model.config.objective!r}; set model.objective accordingly or re-convert with "
-                           f"--objective {model.config.objective}")
-    path = Path(init_dir) / WEIGHTS_FILE
-    weights = load_file(str(path))
-    fresh = _match(model, weights, str(path))
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name, tensor in weights.items():
-        params[name].copy_(tensor)
-    return fresh
-
-
-def _match(model, weights: dict[str, torch.Tensor], where: str) -> list[str]:
-    """Check names and shapes; the canonical names of the parameters ``weights`` leaves untouched."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    unexpected = sorted(set(weights) - set(params))
-    if unexpected:
-        raise WeightsError(f"{where} holds tensors the model does not have: {unexpected[:8]}"
-                           f"{' ...' if len(unexpected) > 8 else ''}")
-    for name, param in params.items():  # in model order, so the first mismatch reported is the first one
-        if name in weights and tuple(weights[name].shape) != tuple(param.shape):
-            raise WeightsError(f"tensor {name} has shape {tuple(weights[name].shape)} in {where} but "
-                               f"{tuple(param.shape)} in the model")
-    return [canonical for canonical, names in _tied_groups(model).items() if not any(n in weights for n in names)]

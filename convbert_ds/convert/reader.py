@@ -6,7 +6,7 @@ Where the weights come from:
   ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``;
 - ZeRO 0: the module weights in ``mp_rank_00_model_states.pt`` (fp32 training), or, for bf16/fp16,
   the optimizer's fp32 master copies, each checked to round to the module's weight;
-- pipeline: ``layer_XX-model_states.pt`` mapped through ``convbert_ds.pipeline.pipeline_layer_names``;
+- pipeline: ``layer_XX-model_states.pt`` mapped through ``convbert_ds.engine.pipeline.pipeline_layer_names``;
   for bf16/fp16 with ZeRO-1 the fp32 masters of each stage, consolidated like ZeRO-1 above.
 """
 
@@ -22,12 +22,15 @@ from pathlib import Path
 
 import torch
 
-from convbert_ds import checkpoint as ckpt_layout
 from convbert_ds.config import ConfigError, ElectraConfig
+from convbert_ds.engine import checkpoint as ckpt_layout
+from convbert_ds.formats.init_dir import ConvertError, match_weights
+from convbert_ds.model import ElectraForPretraining, WeightsError
+from convbert_ds.model.optim import param_groups
+from convbert_ds.model.tied import fill_tied
 
-
-class ConvertError(ValueError):
-    """Input the converter cannot use; the message names what is wrong and how to fix it."""
+__all__ = ["Checkpoint", "ConvertError", "check_files", "complete_aliases", "expected_files", "open_checkpoint",
+           "read_state_dict"]
 
 
 @dataclass
@@ -94,7 +97,8 @@ def open_checkpoint(checkpoint_dir, tag: str | None = None) -> Checkpoint:
 
 
 def _layer_names(electra: ElectraConfig) -> dict[int, str]:
-    from convbert_ds.pipeline import pipeline_layer_names
+    # Here: the pipeline module imports deepspeed (slow, and it prints on import); only pipeline checkpoints need it.
+    from convbert_ds.engine.pipeline import pipeline_layer_names
 
     return pipeline_layer_names(electra)
 
@@ -151,7 +155,8 @@ def _zero_to_fp32(root: Path, tag: str) -> dict[str, torch.Tensor]:
         with _quiet(), torch.no_grad():
             return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     except Exception as error:  # noqa: BLE001 - DeepSpeed's reader fails in many ways on a damaged checkpoint
-        raise ConvertError(f"DeepSpeed could not consolidate {root / tag}: {type(error).__name__}: {error}") from None
+        reason = " ".join(str(error).split())  # the CLI prints one line
+        raise ConvertError(f"DeepSpeed could not consolidate {root / tag}: {type(error).__name__}: {reason}") from None
 
 
 def _load(path: Path) -> dict:
@@ -161,9 +166,6 @@ def _load(path: Path) -> dict:
 
 def _zero0_masters(ckpt: Checkpoint, module: dict[str, torch.Tensor], optimizer: dict) -> dict[str, torch.Tensor]:
     """bf16/fp16 without ZeRO: the fp16 optimizer's fp32 copies, in the order the trainer grouped them."""
-    from convbert_ds.model import ElectraForPretraining
-    from convbert_ds.optim import param_groups
-
     with torch.device("meta"):
         model = ElectraForPretraining(ckpt.electra)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -255,32 +257,16 @@ def complete_aliases(weights: dict[str, torch.Tensor], electra: ElectraConfig, w
     The generator shares the discriminator's embeddings and its LM head is the word-embedding table,
     so one tensor has several names; a checkpoint may hold any one of them.
     """
-    from convbert_ds.model import ElectraForPretraining
-
     with torch.device("meta"):
         model = ElectraForPretraining(electra)
-    aliases: dict[int, list[str]] = {}
+    try:  # unexpected names, wrong shapes
+        match_weights(model, weights, where)
+    except WeightsError as error:
+        raise ConvertError(f"{error}; the config does not match the weights") from None
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name, param in params.items():
-        aliases.setdefault(id(param), []).append(name)
-    unexpected = sorted(set(weights) - set(params))
-    if unexpected:
-        raise ConvertError(f"{where} holds tensors the configured model does not have: {unexpected[:8]}"
-                           f"{' ...' if len(unexpected) > 8 else ''}; the config does not match the weights")
-    out, missing = {}, []
-    for names in aliases.values():
-        present = [n for n in names if n in weights]
-        if not present:
-            missing += names
-            continue
-        for name in names:
-            tensor = weights.get(name, weights[present[0]])
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ConvertError(f"{where}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but "
-                                   f"{tuple(params[name].shape)} in the model built from its config; the config "
-                                   "does not match the weights")
-            out[name] = tensor
+    weights = fill_tied(weights, model)
+    missing = sorted(set(params) - set(weights))
     if missing:
-        raise ConvertError(f"{where} lacks tensors of the configured model: {sorted(missing)[:8]}"
+        raise ConvertError(f"{where} lacks tensors of the configured model: {missing[:8]}"
                            f"{' ...' if len(missing) > 8 else ''}; the config does not match the weights")
-    return {name: out[name] for name in params}
+    return {name: weights[name] for name in params}

@@ -30,19 +30,14 @@ from safetensors.torch import save_file
 
 from convbert_ds.config import ElectraConfig, ModelConfig
 from convbert_ds.convert.reader import ConvertError, open_checkpoint, read_state_dict
-from convbert_ds.model.hf_io import write_atomically
+from convbert_ds.convert.verify import verify_output
+from convbert_ds.fsutil import refuse_non_empty, write_dir_atomically
+from convbert_ds.model.tied import untie
+from preprocessing.tokenizer import TOKENIZER_FILES, tokenizer_sha256
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RTD_HEAD_FILE = "rtd_head.safetensors"
 _DISC, _RTD, _GEN = "discriminator.convbert.", "discriminator.discriminator_predictions.", "generator."
-
-
-def check_out(out: Path, force: bool) -> None:
-    """OUT is written whole or not at all; an existing one is replaced only on request."""
-    if out.exists() and not out.is_dir():
-        raise ConvertError(f"{out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ConvertError(f"{out} exists and is not empty; pass --force to replace it")
 
 
 def split_for_hf(weights: dict[str, torch.Tensor], electra: ElectraConfig) -> dict[str, dict[str, torch.Tensor]]:
@@ -63,25 +58,16 @@ def hf_config(config: ModelConfig, architecture: str, dtype: str) -> dict:
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, dtype: str) -> None:
     """safetensors from views of the consolidated buffers (no copy); a tensor with two names is cloned once."""
-    seen, out = set(), {}
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().to(DTYPES[dtype]).contiguous()
-        key = (tensor.data_ptr(), tuple(tensor.shape))
-        out[name] = tensor.clone() if key in seen else tensor
-        seen.add(key)
+    out = untie({name: tensor.detach().to(DTYPES[dtype]).contiguous() for name, tensor in tensors.items()})
     save_file(out, str(path), metadata={"format": "pt"})
 
 
 def tokenizer_files(directory: Path) -> list[Path]:
-    from preprocessing.tokenizer import TOKENIZER_FILES
-
     return [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
 
 
 def resolve_tokenizer(recorded: dict | None, override=None) -> Path:
     """The tokenizer the checkpoint was trained with: ``override`` or the recorded dir, hash-checked."""
-    from preprocessing.tokenizer import tokenizer_sha256
-
     if not recorded:
         raise ConvertError("trainer_state.json records no tokenizer; pass --tokenizer DIR")
     directory = Path(override if override is not None else recorded["dir"])
@@ -167,7 +153,7 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
     out = Path(out)
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
-    check_out(out, force)
+    refuse_non_empty(out, force, error=ConvertError)
     parts = split_for_hf(weights, electra)
     tokenizer_dir = Path(tokenizer_dir)
     report = {}
@@ -188,14 +174,12 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
         if electra.objective == "electra":
             save_tensors(parts["rtd_head"], tmp / "discriminator" / RTD_HEAD_FILE, dtype)
         if verify:
-            from convbert_ds.convert.verify import verify_output
-
-            report.update(verify_output(tmp, weights, electra, dtype, tokenizer_dir))
+            report.update(verify_output(tmp, weights, electra, DTYPES[dtype], tokenizer_dir, RTD_HEAD_FILE))
         card = model_card(electra, facts, dtype, report or None)
         for target in [tmp, *(tmp / name for name in dirs)]:
             (target / "README.md").write_text(card)
 
-    write_atomically(out, fill)
+    write_dir_atomically(out, fill)
     return report or None
 
 
@@ -203,7 +187,7 @@ def convert_checkpoint(checkpoint_dir, out, tag: str | None = None, dtype: str =
                        force: bool = False, tokenizer=None, command: str | None = None) -> dict | None:
     """DeepSpeed checkpoint -> OUT (transformers dirs). Returns the verification report (max abs diffs)."""
     out = Path(out)
-    check_out(out, force)
+    refuse_non_empty(out, force, error=ConvertError)
     ckpt = open_checkpoint(checkpoint_dir, tag)
     tokenizer_dir = resolve_tokenizer(ckpt.state.get("tokenizer"), tokenizer)
     weights, source = read_state_dict(ckpt)

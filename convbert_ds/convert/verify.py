@@ -11,28 +11,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from convbert_ds.config import ElectraConfig
 from convbert_ds.convert.reader import ConvertError
-from convbert_ds.convert.to_hf import DTYPES, RTD_HEAD_FILE
+from convbert_ds.model import ElectraForPretraining
+from preprocessing.tokenizer import load_tokenizer
 
 TOLERANCE = 1e-4
 _SAMPLE_TEXT = [("The quick brown fox jumps over the lazy dog.", "It was not amused."),
                 ("Checkpoints are converted once and loaded many times.", "Numbers like 3.14159 and 2048 too.")]
 
 
-def _rounded(weights: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
-    return {k: v.to(DTYPES[dtype]).float() for k, v in weights.items()}
-
-
 @torch.no_grad()
-def verify_output(out: Path, weights: dict[str, torch.Tensor], electra: ElectraConfig, dtype: str,
-                  tokenizer_dir: Path) -> dict[str, float]:
-    """Our model on the checkpoint's weights vs transformers on OUT, on tokenized text and random ids."""
-    import transformers
-
-    from convbert_ds.model import ElectraForPretraining
-    from preprocessing.tokenizer import load_tokenizer
+def verify_output(out: Path, weights: dict[str, torch.Tensor], electra: ElectraConfig, dtype: torch.dtype,
+                  tokenizer_dir: Path, rtd_head_file: str) -> dict[str, float]:
+    """Our model on the checkpoint's weights (rounded to OUT's ``dtype``) vs transformers on OUT, on tokenized
+    text and random ids; ``rtd_head_file``: the RTD head's file in ``OUT/discriminator``."""
+    import transformers  # here: slow to import, and only --verify needs it
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -40,7 +36,7 @@ def verify_output(out: Path, weights: dict[str, torch.Tensor], electra: ElectraC
         **electra.to_dict(),
         "discriminator": electra.discriminator.replace(sdconv_impl="torch"),
         "generator": electra.generator.replace(sdconv_impl="torch") if electra.generator else None}))
-    reference.load_state_dict(_rounded(weights, dtype))
+    reference.load_state_dict({k: v.to(dtype).float() for k, v in weights.items()})
     reference.eval()
     first = "discriminator" if electra.objective == "electra" else "generator"
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out / first), local_files_only=True)
@@ -72,9 +68,7 @@ def verify_output(out: Path, weights: dict[str, torch.Tensor], electra: ElectraC
     hf_mlm = transformers.AutoModelForMaskedLM.from_pretrained(str(out / "generator"), **kw).eval()
     if electra.objective == "electra":
         hf_body = transformers.AutoModel.from_pretrained(str(out / "discriminator"), **kw).eval()
-        from safetensors.torch import load_file
-
-        head = {k: v.float() for k, v in load_file(str(out / "discriminator" / RTD_HEAD_FILE)).items()}
+        head = {k: v.float() for k, v in load_file(str(out / "discriminator" / rtd_head_file)).items()}
         act = transformers.activations.ACT2FN[config.hidden_act]
     for batch in batches:
         args = (batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])

@@ -22,6 +22,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from convbert_ds.fsutil import write_text_atomically
+
 # Directories whose docstrings are mostly code, generated tables or test noise.
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
               "lib2to3", "turtledemo", "encodings", "pydoc_data", "ensurepip", "venv"}
@@ -39,13 +41,17 @@ def _stdlib_files() -> list[Path]:
     return sorted(files)
 
 
-def _docstrings(path: Path) -> Iterator[str]:
+_DEFINITIONS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _docstrings(path: Path, kinds: tuple[type, ...] = (ast.Module, *_DEFINITIONS)) -> Iterator[str]:
+    """Docstrings of one file's nodes of ``kinds`` (default: the module's, its classes' and functions')."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError):
         return
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(node, kinds):
             doc = ast.get_docstring(node, clean=True)
             if doc:
                 yield doc
@@ -91,17 +97,10 @@ def write_corpus(out: str | os.PathLike, max_bytes: int | None = None, repeat_to
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    written = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        while True:
-            for paragraphs in iter_documents(max_bytes):
-                chunk = "\n".join(paragraphs) + "\n\n"
-                f.write(chunk)
-                written += len(chunk.encode("utf-8"))
-            if repeat_to_bytes is None or written >= repeat_to_bytes or written == 0:
-                break
-    os.replace(tmp, out)
+    text = "".join("\n".join(paragraphs) + "\n\n" for paragraphs in iter_documents(max_bytes))
+    if repeat_to_bytes is not None and text:
+        text *= max(1, -(-repeat_to_bytes // len(text.encode("utf-8"))))  # whole copies up to the size
+    write_text_atomically(out, text)
     return out
 
 

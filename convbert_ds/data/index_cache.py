@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from convbert_ds.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"CBDSIDX\x01"
@@ -40,7 +42,7 @@ HEADER_BYTES = 4096
 _CRC_CHUNK = 1 << 26
 
 
-class CacheFileError(ValueError):
+class CacheFileError(UserError, ValueError):
     """A cache file exists but cannot be used (wrong key, truncated, corrupt)."""
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from convbert_ds.config import ConfigError
 from convbert_ds.data.blending import BlendedDataset
 from convbert_ds.data.packing import PackedDataset, check_seq_len
 from convbert_ds.data.sampler import EvalSampler, PretrainingSampler
@@ -34,14 +35,14 @@ def parse_sets(sets) -> list[tuple[Path, float]]:
     if isinstance(sets, (str, os.PathLike)):
         sets = [sets]
     if not sets:
-        raise ValueError("data.sets is empty; list at least one shard directory as {path: DIR, weight: 1.0}")
+        raise ConfigError("data.sets is empty; list at least one shard directory as {path: DIR, weight: 1.0}")
     parsed = []
     for i, entry in enumerate(sets):
         if isinstance(entry, (str, os.PathLike)):
             path, weight = entry, 1.0
         elif isinstance(entry, Mapping):
             if "path" not in entry:
-                raise ValueError(f"data.sets[{i}] has no 'path'; write it as {{path: SHARD_DIR, weight: 1.0}}")
+                raise ConfigError(f"data.sets[{i}] has no 'path'; write it as {{path: SHARD_DIR, weight: 1.0}}")
             path, weight = entry["path"], entry.get("weight", 1.0)
         else:
             path, weight = entry.path, getattr(entry, "weight", 1.0)
@@ -50,7 +51,7 @@ def parse_sets(sets) -> list[tuple[Path, float]]:
         except (TypeError, ValueError):
             weight = math.nan
         if not math.isfinite(weight) or weight <= 0:
-            raise ValueError(f"data.sets[{i}].weight must be a positive number (got {weight!r})")
+            raise ConfigError(f"data.sets[{i}].weight must be a positive number (got {weight!r})")
         parsed.append((Path(path), weight))
     return parsed
 

@@ -35,8 +35,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from convbert_ds.config import ConfigError
 from convbert_ds.data.index_cache import RecordWriter, load_or_build, open_records
 from convbert_ds.data.shards import ShardSplit, open_split
+from convbert_ds.formats.shard_manifest import ShardManifestError
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +134,7 @@ def _pack_shard(split: ShardSplit, shard_no: int, seq_len: int, seed: int, write
     found = (len(docs) - 1, len(lengths), int(lengths.sum(dtype=np.int64)), np.dtype(index.dtype))
     listed = (shard.documents, shard.sequences, shard.tokens, shard.dtype)
     if found != listed:
-        raise ValueError(f"{shard.idx_path}: holds (documents, sequences, tokens, dtype) = {found} but the "
+        raise ShardManifestError(f"{shard.idx_path}: holds (documents, sequences, tokens, dtype) = {found} but the "
                          f"manifest lists {listed}; re-run python -m preprocessing.shard")
     itemsize = shard.dtype.itemsize
     d0, n_docs, token_cursor = 0, len(docs) - 1, 0
@@ -143,7 +145,7 @@ def _pack_shard(split: ShardSplit, shard_no: int, seq_len: int, seed: int, write
         block_lengths = np.array(lengths[lo:hi], dtype=np.int64)
         starts = token_cursor + np.concatenate([[0], np.cumsum(block_lengths)[:-1]])
         if not np.array_equal(pointers[lo:hi], starts * itemsize):
-            raise ValueError(f"{shard.idx_path}: sequences are not stored back to back in the .bin; "
+            raise ShardManifestError(f"{shard.idx_path}: sequences are not stored back to back in the .bin; "
                              f"re-write the shard with megatron's IndexedDatasetBuilder")
         writer.append(pack_documents(block_lengths, starts, np.asarray(docs[d0:d1 + 1]) - lo,
                                      seq_len, seed, shard_no))
@@ -161,7 +163,7 @@ def sample_index_key(split: ShardSplit, seq_len: int, seed: int) -> str:
 
 def check_seq_len(seq_len: int) -> None:
     if not isinstance(seq_len, (int, np.integer)) or seq_len < MIN_SEQ_LEN:
-        raise ValueError(f"data.seq_len must be an integer >= {MIN_SEQ_LEN} (got {seq_len!r}); "
+        raise ConfigError(f"data.seq_len must be an integer >= {MIN_SEQ_LEN} (got {seq_len!r}); "
                          f"128 or 512 are the usual values")
 
 
@@ -178,7 +180,7 @@ class PackedDataset(torch.utils.data.Dataset):
                  seed: int = 1234, cache_dir: str | os.PathLike | None = None, progress: bool = True):
         check_seq_len(seq_len)
         if seed < 0:
-            raise ValueError(f"data seed must be >= 0 (got {seed})")
+            raise ConfigError(f"data seed must be >= 0 (got {seed})")
         self.source = source if isinstance(source, ShardSplit) else open_split(source, split)
         self.seq_len, self.seed = int(seq_len), int(seed)
         ids = self.source.special_ids
@@ -191,7 +193,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self._samples = index.records
         self._bins: list[np.ndarray] | None = None
         if len(self._samples) == 0:
-            raise ValueError(f"{self.source.shard_dir}: split {self.source.split!r} packs into no samples")
+            raise ConfigError(f"{self.source.shard_dir}: split {self.source.split!r} packs into no samples")
 
     def _build(self, writer: RecordWriter, progress: bool) -> dict:
         t0 = time.time()

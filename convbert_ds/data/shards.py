@@ -1,27 +1,19 @@
-"""Reading a shard directory's manifest: which shard files make up a split, and their tokenizer.
+"""A split of a shard directory (format: ``convbert_ds.formats.shard_manifest``) as the data loader sees it.
 
-``preprocessing.shard`` writes::
-
-    SHARD_DIR/manifest.json
-    SHARD_DIR/<split>/shard-00000.{bin,idx}   megatron-core IndexedDataset files
-
-Everything here is checked before any index is built, so a bad directory fails
-at start-up with one line naming the path and the fix (megatron's own dataset
-builder hangs on an empty split; this never gets that far).
+Everything is checked before any index is built, so a bad directory fails at start-up with one line naming
+the path and the fix (megatron's own dataset builder hangs on an empty split; this never gets that far).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT_VERSION = 1
-_REQUIRED_SPECIAL_IDS = ("pad", "cls", "sep")
+from convbert_ds.config import ConfigError
+from convbert_ds.formats.shard_manifest import MANIFEST, ShardManifestError, read_manifest
 
 
 @dataclass(frozen=True)
@@ -43,10 +35,8 @@ class Shard:
         return self.prefix.with_name(self.prefix.name + ".idx")
 
     def identity(self) -> list:
-        """What names this shard's content in cache keys: its hashes, else size and mtime."""
-        if self.sha256.get("bin") and self.sha256.get("idx"):
-            return [self.name, self.sha256["bin"], self.sha256["idx"]]
-        return [self.name] + [[p.stat().st_size, p.stat().st_mtime_ns] for p in (self.bin_path, self.idx_path)]
+        """What names this shard's content in cache keys: its hashes (the manifest always lists them)."""
+        return [self.name, self.sha256["bin"], self.sha256["idx"]]
 
 
 @dataclass(frozen=True)
@@ -69,63 +59,23 @@ class ShardSplit:
         return sum(s.tokens for s in self.shards)
 
 
-def _field(obj: dict, name: str, where: str, manifest: Path):
-    if not isinstance(obj, dict) or name not in obj:
-        raise ValueError(f"{manifest}: missing field {where}{name}; re-run python -m preprocessing.shard")
-    return obj[name]
-
-
 def open_split(shard_dir: str | os.PathLike, split: str) -> ShardSplit:
-    """Read and check ``shard_dir/manifest.json`` for ``split``; every shard file must exist."""
+    """Read and check ``shard_dir/manifest.json`` for ``split``; every shard file must exist, whole."""
     shard_dir = Path(shard_dir).resolve()
+    manifest = read_manifest(shard_dir, verify=False)
     manifest_path = shard_dir / MANIFEST
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{manifest_path} not found: data.sets paths must be directories written by "
-                                f"`python -m preprocessing.shard --out DIR`")
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{manifest_path}: not valid JSON ({e}); re-run python -m preprocessing.shard") from None
-    version = _field(manifest, "format_version", "", manifest_path)
-    if version != MANIFEST_FORMAT_VERSION:
-        raise ValueError(f"{manifest_path}: format_version {version} is not supported (expected "
-                         f"{MANIFEST_FORMAT_VERSION}); re-shard with this version of preprocessing")
-    tokenizer = _field(manifest, "tokenizer", "", manifest_path)
-    special_ids = _field(tokenizer, "special_ids", "tokenizer.", manifest_path)
-    for name in _REQUIRED_SPECIAL_IDS:
-        _field(special_ids, name, "tokenizer.special_ids.", manifest_path)
-    vocab_size = int(_field(tokenizer, "vocab_size", "tokenizer.", manifest_path))
-    splits = _field(manifest, "splits", "", manifest_path)
-    if split not in splits:
-        raise ValueError(f"{manifest_path}: no split {split!r} (has {sorted(splits)}); "
-                         f"shard the corpus with a {split!r} split")
-    entries = _field(splits[split], "shards", f"splits.{split}.", manifest_path)
-
-    shards = []
-    for i, entry in enumerate(entries):
-        where = f"splits.{split}.shards[{i}]."
-        name = _field(entry, "prefix", where, manifest_path)
-        shard = Shard(prefix=shard_dir / name, name=name,
-                      dtype=np.dtype(_field(entry, "dtype", where, manifest_path)),
-                      documents=int(_field(entry, "documents", where, manifest_path)),
-                      sequences=int(_field(entry, "sequences", where, manifest_path)),
-                      tokens=int(_field(entry, "tokens", where, manifest_path)),
-                      sha256=dict(entry.get("sha256") or {}))
-        for path in (shard.bin_path, shard.idx_path):
-            if not path.is_file():
-                raise FileNotFoundError(f"{path} not found (listed in {manifest_path}); "
-                                        f"copy the whole shard directory or re-run python -m preprocessing.shard")
-        expected = shard.tokens * shard.dtype.itemsize
-        if shard.bin_path.stat().st_size != expected:
-            raise ValueError(f"{shard.bin_path}: {shard.bin_path.stat().st_size} bytes but {manifest_path} says "
-                             f"{shard.tokens} {shard.dtype} tokens ({expected} bytes); the shard directory "
-                             f"is incomplete or was changed, re-run python -m preprocessing.shard")
-        shards.append(shard)
-
-    result = ShardSplit(shard_dir, split, tuple(shards), tokenizer, dict(special_ids), vocab_size)
+    if split not in manifest["splits"]:
+        raise ShardManifestError(f"{manifest_path}: no split {split!r} (has {sorted(manifest['splits'])}); "
+                                 f"shard the corpus with a {split!r} split")
+    shards = tuple(Shard(prefix=shard_dir / e["prefix"], name=e["prefix"], dtype=np.dtype(e["dtype"]),
+                         documents=int(e["documents"]), sequences=int(e["sequences"]), tokens=int(e["tokens"]),
+                         sha256=dict(e["sha256"])) for e in manifest["splits"][split]["shards"])
+    tokenizer = manifest["tokenizer"]
+    result = ShardSplit(shard_dir, split, shards, tokenizer, dict(tokenizer["special_ids"]),
+                        int(tokenizer["vocab_size"]))
     if result.documents == 0 or result.tokens == 0:
-        raise ValueError(f"{manifest_path}: split {split!r} has no documents; shard a corpus that "
-                         f"gives it some, or drop {shard_dir} from data.sets")
+        raise ShardManifestError(f"{manifest_path}: split {split!r} has no documents; shard a corpus that "
+                                 f"gives it some, or drop {shard_dir} from data.sets")
     return result
 
 
@@ -136,7 +86,7 @@ def check_same_tokenizer(splits: list[ShardSplit]) -> None:
         a = (first.tokenizer.get("sha256"), first.vocab_size, first.special_ids)
         b = (other.tokenizer.get("sha256"), other.vocab_size, other.special_ids)
         if a != b:
-            raise ValueError(
+            raise ConfigError(
                 f"data.sets {first.shard_dir} and {other.shard_dir} use different tokenizers "
                 f"(sha256 {a[0]} vs {b[0]}, vocab_size {a[1]} vs {b[1]}); shard every set with "
                 f"the same tokenizer dir")

@@ -44,7 +44,8 @@ from collections.abc import Collection, Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
 
-from convbert_ds.data.builtin_corpus import _docstrings, _prose_paragraphs, _stdlib_files
+from convbert_ds.data.builtin_corpus import _DEFINITIONS, _docstrings, _prose_paragraphs, _stdlib_files
+from convbert_ds.fsutil import write_text_atomically
 
 # label -> (what the library is for, its top-level names in site-packages).
 TASK_CLASSES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -129,19 +130,6 @@ def _site_entries(exclude: Collection[str]) -> list[Path]:
 # ---------------------------------------------------------------- the task
 
 
-def _definition_docstrings(path: Path) -> Iterator[str]:
-    """Docstrings of the classes and functions (methods included) of one file."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (SyntaxError, UnicodeDecodeError, ValueError):
-        return
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node, clean=True)
-            if doc:
-                yield doc
-
-
 def _summary(docstring: str) -> str | None:
     """The docstring's first paragraph (its first sentence if the paragraph is long), if it is prose.
 
@@ -165,7 +153,7 @@ def _summaries(name: str) -> tuple[str, ...]:
         for entry in (root / name, root / f"{name}.py"):
             if entry.exists():
                 for path in _package_files(entry):
-                    summaries.extend(s for s in map(_summary, _definition_docstrings(path)) if s is not None)
+                    summaries.extend(s for s in map(_summary, _docstrings(path, _DEFINITIONS)) if s is not None)
     return tuple(summaries)
 
 
@@ -197,9 +185,7 @@ def task_pool() -> dict[str, tuple[str, ...]]:
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, str]]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_text_atomically(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def write_transfer_task(out_dir: str | os.PathLike, train_per_class: int = 500, dev_per_class: int = 100,
@@ -351,11 +337,8 @@ def write_pretraining_corpus(out: str | os.PathLike, max_bytes: int | None = Non
     """Write the corpus in ``builtin_corpus``'s format (a temporary name, then renamed)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for paragraphs in iter_pretraining_documents(max_bytes, exclude):
-            f.write("\n".join(paragraphs) + "\n\n")
-    os.replace(tmp, out)
+    write_text_atomically(out, "".join("\n".join(paragraphs) + "\n\n"
+                                       for paragraphs in iter_pretraining_documents(max_bytes, exclude)))
     return out
 
 

@@ -12,17 +12,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from convbert_ds.config import ConfigError
+from convbert_ds.errors import exit_on_user_error
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.recipe import PRECISIONS, Recipe
 from convbert_ds.finetune.run import RunSpec, run
-from convbert_ds.finetune.tasks import read_custom, read_glue
-
-EXIT_BAD_INPUT = 2
+from convbert_ds.finetune.tasks import TASK_TYPES, read_custom, read_glue
+from convbert_ds.fsutil import FORCE_FLAG
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):
+    def error(self, message):  # one line and exit code 2 like every other bad input, not usage + message
         raise FinetuneError(message)
 
 
@@ -30,9 +29,20 @@ def _recipe_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("recipe (defaults: ConvBERT Table 6 and ELECTRA's fine-tuning settings)")
     defaults = Recipe()
     helps = {
-        "learning_rate": "peak LR (default by model width: 3e-4 up to 512 wide, 1e-4 up to 768, else 5e-5)",
-        "epochs": "default 3, 10 for RTE and STS-B",
-        "dropout": "default: the model's hidden_dropout_prob",
+        "learning_rate": "peak LR (None: by model width, 3e-4 up to 512 wide, 1e-4 up to 768, else 5e-5)",
+        "layerwise_lr_decay": "LR factor per layer below the top (1 turns the decay off)",
+        "weight_decay": "AdamW weight decay (not on biases and LayerNorm weights)",
+        "warmup_fraction": "share of the steps with linear LR warm-up",
+        "epochs": "training epochs (None: 3, or 10 for RTE and STS-B)",
+        "batch_size": "training examples per step, over all ranks",
+        "eval_batch_size": "examples per evaluation batch",
+        "max_seq_length": "tokens per example (longer ones are truncated)",
+        "dropout": "classifier and body dropout (None: the model's hidden_dropout_prob)",
+        "adam_beta1": "AdamW beta1",
+        "adam_beta2": "AdamW beta2",
+        "adam_epsilon": "AdamW epsilon",
+        "grad_clip": "max gradient norm (0 turns clipping off)",
+        "first_seed": "the first fine-tuning seed",
         "precision": f"{PRECISIONS}; auto = bf16 on a GPU, fp32 on CPU",
         "seeds": "fine-tune this many seeds (first-seed, first-seed+1, ...) and report the median",
         "examples_per_class": "low-resource runs: this many training examples per class (one seeded subset)",
@@ -43,27 +53,29 @@ def _recipe_options(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, field.name)
         kind = {"int": int, "float": float, "str": str}[field.type.split(" ")[0]]
         group.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=default,
-                           help=helps.get(field.name, f"default {default}"))
+                           help=helps[field.name])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m convbert_ds.finetune", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m convbert_ds.finetune", description=__doc__.splitlines()[0],
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", required=True,
                         help="a transformers ConvBERT directory, or a convbert_ds.train checkpoint directory")
     parser.add_argument("--out", required=True, help="results.json, results.md, best/ and the resumable state")
     parser.add_argument("--random-init", action="store_true",
                         help="same architecture and tokenizer as --model, random weights: the baseline")
-    parser.add_argument("--force", action="store_true", help="delete OUT's previous run first")
+    parser.add_argument(FORCE_FLAG, action="store_true", help="delete OUT's previous run first")
     glue = parser.add_argument_group("GLUE (official files on disk)")
     glue.add_argument("--glue-task", help="cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli")
     glue.add_argument("--data-dir", help="the task's folder from the GLUE download (train.tsv, dev.tsv, ...)")
     custom = parser.add_argument_group("custom task (TSV, CSV, JSONL or a datasets save_to_disk directory)")
-    custom.add_argument("--train")
-    custom.add_argument("--validation")
-    custom.add_argument("--text-column")
-    custom.add_argument("--text-pair-column")
-    custom.add_argument("--label-column")
-    custom.add_argument("--task-type", choices=("classification", "regression"))
+    custom.add_argument("--train", help="the training split's file or directory")
+    custom.add_argument("--validation", help="the validation split's file or directory")
+    custom.add_argument("--text-column", help="the column holding the text")
+    custom.add_argument("--text-pair-column", help="the column holding a pair's second text (None: single texts)")
+    custom.add_argument("--label-column", help="the column holding the label")
+    custom.add_argument("--task-type", choices=TASK_TYPES, help="None: regression if every train label is a number "
+                        "and one is not whole, else classification")
     _recipe_options(parser)
     return parser.parse_args(argv)
 
@@ -89,20 +101,18 @@ def read_task(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def finetune() -> None:
         args = parse_args(argv)
         recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)})
         recipe.validate()
         task = read_task(args)
         out = Path(args.out)
         command = "python -m convbert_ds.finetune " + shlex.join(argv)
-        results = run(RunSpec(task, args.model, out, recipe, args.random_init, command, force=args.force))
-    except (FinetuneError, ConfigError) as error:
-        print(f"finetune error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if results is not None:
-        print((out / "results.md").read_text())
-    return 0
+        if run(RunSpec(task, args.model, out, recipe, args.random_init, command, force=args.force)) is not None:
+            print((out / "results.md").read_text())
+
+    return exit_on_user_error(finetune, prefix="finetune error")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ The per-step log ``LOG`` (JSON lines ``{"step", "loss", "lr"}``) is cut back to 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from convbert_ds.checkpoint import rng_state, set_rng_state, truncate_jsonl
+from convbert_ds.engine.checkpoint import rng_state, set_rng_state, truncate_jsonl
 from convbert_ds.finetune.batches import Encoded, collate, epoch_batches, eval_batches
 from convbert_ds.finetune.metrics import compute_metrics
 from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.tasks import TaskData
+from convbert_ds.fsutil import write_bytes_atomically
 from convbert_ds.model import ConvBertForSequenceClassification
-from convbert_ds.optim import layerwise_param_groups, linear_warmup_decay
+from convbert_ds.model.optim import layerwise_param_groups, linear_warmup_decay
 
 _LAYER = re.compile(r"^convbert\.encoder\.layer\.(\d+)\.")
 
@@ -101,9 +102,9 @@ def evaluate(model, task: TaskData, evals: dict[str, Encoded], recipe: Recipe, d
 
 
 def _save_state(path: Path, state: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_bytes_atomically(path, buffer.getvalue())
 
 
 def train_seed(model: ConvBertForSequenceClassification, task: TaskData, train: Encoded, evals: dict[str, Encoded],

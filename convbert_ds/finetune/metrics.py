@@ -8,12 +8,9 @@ selection, and NaN would poison comparisons of runs and the JSON results. Only N
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from convbert_ds.finetune.tasks import TaskData
+from convbert_ds.finetune.tasks import TaskData
 
 _F1_TASKS = ("mrpc", "qqp")
 _MCC_TASKS = ("cola", "custom")

@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from convbert_ds import distributed
-from convbert_ds.checkpoint import write_text_atomically
 from convbert_ds.convert.to_hf import tokenizer_files
+from convbert_ds.engine import distributed
 from convbert_ds.finetune.batches import encode
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.loop import Placement, train_seed
 from convbert_ds.finetune.model_source import initial_model, resolve_model
 from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.tasks import TaskData
+from convbert_ds.fsutil import write_json_atomically, write_text_atomically
 
 SEEDS_DIR, STATE_DIR, BEST_DIR = "seeds", "state", "best"
 
@@ -127,7 +127,7 @@ def _check_resume(out: Path, settings: dict) -> None:
                                 "or --force to start over there")
     else:
         out.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(settings, indent=2) + "\n")
+        write_json_atomically(path, settings)
 
 
 def _primary(task: TaskData, result: dict) -> float:
@@ -153,8 +153,8 @@ def _report(spec: RunSpec, settings: dict, seeds: list[dict]) -> dict:
     results["median_by_metric"] = {
         split: {name: statistics.median(s["final"][split][name] for s in seeds) for name in seeds[0]["final"][split]}
         for split in seeds[0]["final"]}
-    (spec.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (spec.out / "results.md").write_text(markdown_table(results))
+    write_json_atomically(spec.out / "results.json", results)
+    write_text_atomically(spec.out / "results.md", markdown_table(results))
     return results
 
 
@@ -210,7 +210,7 @@ def run(spec: RunSpec) -> dict | None:
         if place.main:
             if not finished or _primary(task, result["final"]) > max(_primary(task, s["final"]) for s in finished):
                 _save_best(model, source.hf_dir, out, spec.command, seed, result["final"])
-            write_text_atomically(done, json.dumps(result, indent=2) + "\n")
+            write_json_atomically(done, result)
             shutil.rmtree(out / STATE_DIR / f"seed{seed}", ignore_errors=True)
         place.barrier()
         finished.append(result)

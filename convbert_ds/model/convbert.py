@@ -18,11 +18,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 from convbert_ds.config import ModelConfig
+from convbert_ds.errors import UserError
 from convbert_ds.model import hf_io
 from convbert_ds.model.layers import ConvBertEmbeddings, ConvBertLayer, activation, init_weights
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     """Model inputs that the model cannot take (ids out of range, too long, wrong shape)."""
 
 

@@ -9,15 +9,15 @@ ignored). Every mismatch is reported by tensor name, with both shapes.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from convbert_ds.config import ConfigError, ModelConfig
+from convbert_ds.errors import UserError
+from convbert_ds.fsutil import write_dir_atomically
+from convbert_ds.model.tied import fill_tied, untie
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Buffers transformers may write that carry no weights.
@@ -25,14 +25,14 @@ _IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids")
 _BODY_PREFIX = "convbert."
 
 
-class WeightsError(ValueError):
-    """A weights file does not fit the model: missing/unexpected tensors or shape mismatches."""
+class WeightsError(UserError, ValueError):
+    """A model directory or weights file that does not fit: missing files or tensors, unexpected ones, shapes."""
 
 
 def read_config(directory, **overrides) -> ModelConfig:
     path = Path(directory) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: not a transformers model directory")
+        raise WeightsError(f"{path} not found: not a transformers model directory")
     with open(path) as f:
         return ModelConfig.from_hf_dict(json.load(f), **overrides)
 
@@ -45,7 +45,7 @@ def read_weights(directory) -> dict[str, torch.Tensor]:
             if name.endswith(".safetensors"):
                 return load_file(path)
             return torch.load(path, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"no weights in {directory}: expected one of {WEIGHT_FILES}")
+    raise WeightsError(f"no weights in {directory}: expected one of {WEIGHT_FILES}")
 
 
 def _normalise(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -60,15 +60,12 @@ def _normalise(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch
 def load_weights(model: torch.nn.Module, directory, prefix: str) -> None:
     weights = _normalise(read_weights(directory), prefix)
     expected = model.state_dict()
-    tied_head = "generator_lm_head.weight"
-    if tied_head in expected and tied_head not in weights:
-        weights[tied_head] = weights.get(f"{_BODY_PREFIX}embeddings.word_embeddings.weight")
-    if tied_head in weights and weights[tied_head] is not None:
-        table = weights.get(f"{_BODY_PREFIX}embeddings.word_embeddings.weight")
-        if table is not None and not torch.equal(weights[tied_head], table):
-            raise WeightsError(f"{directory}: {tied_head} differs from the word embeddings; only tied "
-                               "LM heads (tie_word_embeddings=true) are supported")
-    missing = sorted(k for k in expected if weights.get(k) is None)
+    head, table = "generator_lm_head.weight", f"{_BODY_PREFIX}embeddings.word_embeddings.weight"
+    if head in weights and table in weights and not torch.equal(weights[head], weights[table]):
+        raise WeightsError(f"{directory}: {head} differs from the word embeddings; only tied "
+                           "LM heads (tie_word_embeddings=true) are supported")
+    weights = fill_tied(weights, model)
+    missing = sorted(k for k in expected if k not in weights)
     unexpected = sorted(k for k in weights if k not in expected)
     if missing or unexpected:
         raise WeightsError(f"{directory}: weights do not match the config: missing {missing[:10]}"
@@ -81,41 +78,6 @@ def load_weights(model: torch.nn.Module, directory, prefix: str) -> None:
     model.load_state_dict({k: weights[k] for k in expected}, strict=True)
 
 
-def _unshared_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Contiguous CPU copies; tied tensors are written once per name, as transformers expects."""
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-
-
-def _share_like_umask(directory: Path) -> None:
-    """Temporary directories and safetensors files are private (0700/0600); give the result the umask's modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def write_atomically(directory, fill) -> Path:
-    """Create ``directory`` by calling ``fill(tmp_dir)`` then renaming, so a crash never leaves half a model."""
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-    try:
-        fill(tmp)
-        _share_like_umask(tmp)
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
-
-
 def save(model: torch.nn.Module, directory, architecture: str, extra_files: dict[str, bytes] | None = None,
          extra_config: dict | None = None) -> Path:
     config = model.config
@@ -125,9 +87,11 @@ def save(model: torch.nn.Module, directory, architecture: str, extra_files: dict
     hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
 
     def fill(tmp: Path) -> None:
-        save_file(_unshared_state_dict(model), tmp / "model.safetensors", metadata={"format": "pt"})
+        # Contiguous CPU tensors; a tied tensor is written once per name, as transformers expects.
+        tensors = untie({k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()})
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
 
-    return write_atomically(directory, fill)
+    return write_dir_atomically(directory, fill)

@@ -119,6 +119,7 @@ def dynamic_conv(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: 
                  impl: str = "auto") -> torch.Tensor:
     """Dynamic convolution through the chosen implementation (see module docstring)."""
     if resolve_impl(impl, values.device) == "triton":
+        # Here, not at the top: triton is an optional, slow-to-import dependency that CPU runs never need.
         from convbert_ds.kernels import triton_dynamic_conv
         return triton_dynamic_conv(kernel_logits, values, value_mask)
     return dynamic_conv_reference(kernel_logits, values, value_mask)

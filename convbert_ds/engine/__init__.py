@@ -1,0 +1,1 @@
+"""The training engine: the resolved config, the trainer, checkpoints, the pipeline engine, metrics."""

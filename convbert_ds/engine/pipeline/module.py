@@ -1,0 +1,208 @@
+"""Building the ELECTRA ``PipelineModule``, its loss, metrics, plain-weight loading and config checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from functools import partial
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+from torch import nn
+
+from convbert_ds.config import ConfigError, ElectraConfig
+from convbert_ds.model.electra import PretrainingOutput, electra_output
+from convbert_ds.engine.pipeline.layers import (
+    MAX_INT_FIELDS,
+    DiscriminatorHidden,
+    EmbeddingProjection,
+    EncoderLayer,
+    GeneratorHead,
+    GeneratorHidden,
+    MaskedLMOutput,
+    MaskingLayer,
+    RTDHead,
+    SharedEmbeddings,
+    from_pipe,
+    generator_output_forward,
+    row_float,
+)
+
+EMBEDDINGS_KEY = "embeddings"
+_EMBEDDING_PARAMS = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
+                     "LayerNorm.weight", "LayerNorm.bias")
+METRIC_NAMES = {
+    "electra": tuple(f.name for f in dataclasses.fields(PretrainingOutput)),
+    "mlm": ("loss", "mlm_loss", "mlm_accuracy"),
+}
+
+
+def _layer_plan(config: ElectraConfig, seed: int | None = None) -> list[tuple[LayerSpec, str | None]]:
+    """(spec, plain-model prefix of the layer's own parameters or None) for every pipeline layer, in order."""
+    electra = config.objective == "electra"
+    disc, gen = config.discriminator, (config.generator if electra else config.discriminator)
+    shared_prefix = "discriminator.convbert.embeddings." if electra else "generator.convbert.embeddings."
+    # Every stage holding a copy of the table keeps the tensors it uses in step: all of them for ELECTRA
+    # (the discriminator's embeddings), only the word table for MLM (its output layer). Listing a tensor
+    # a stage never uses would leave it without a gradient to all-reduce.
+    tied = list(_EMBEDDING_PARAMS) if electra else ["word_embeddings.weight"]
+
+    def shared(forward_fn=None) -> TiedLayerSpec:
+        return TiedLayerSpec(EMBEDDINGS_KEY, SharedEmbeddings, disc, forward_fn=forward_fn, tied_weight_attr=tied)
+
+    def body(prefix: str, model_config, state) -> list[tuple[LayerSpec, str]]:
+        layers = []
+        if model_config.embedding_size != model_config.hidden_size:
+            layers.append((LayerSpec(EmbeddingProjection, model_config, state), f"{prefix}embeddings_project."))
+        layers += [(LayerSpec(EncoderLayer, model_config, state), f"{prefix}encoder.layer.{i}.")
+                   for i in range(model_config.num_hidden_layers)]
+        return layers
+
+    plan = [(LayerSpec(MaskingLayer, config, seed), None), (shared(), shared_prefix)]
+    plan += body("generator.convbert.", gen, GeneratorHidden)
+    plan += [(LayerSpec(GeneratorHead, gen), "generator."),
+             (shared(partial(generator_output_forward, config=config)), None)]
+    if electra:
+        plan += body("discriminator.convbert.", disc, DiscriminatorHidden)
+        plan.append((LayerSpec(RTDHead, disc), "discriminator.discriminator_predictions."))
+    return plan
+
+
+def pipeline_layer_names(config: ElectraConfig) -> dict[int, str]:
+    """Pipeline layer index -> the plain ``ElectraForPretraining`` prefix of that layer's parameters.
+
+    A key ``k`` in ``layer_{index:02d}-model_states.pt`` is the plain parameter ``prefix + k``. Absent: the
+    masking layer (no parameters) and the later use of the shared embeddings (no file; the table is in
+    the first use's). The indices do not depend on the number of stages.
+    """
+    return {index: prefix for index, (_, prefix) in enumerate(_layer_plan(config)) if prefix is not None}
+
+
+class ElectraPipelineLoss:
+    """``loss_fn`` of the last stage: ``mlm + rtd_weight * rtd`` exactly as ``ElectraForPretraining``.
+
+    Keeps each micro-batch's metrics for ``pipeline_metrics`` (bounded, in case nobody asks).
+    """
+
+    def __init__(self, config: ElectraConfig):
+        self.config = config
+        self.names = METRIC_NAMES[config.objective]
+        self.records: deque[torch.Tensor] = deque(maxlen=4096)
+
+    def __call__(self, outputs, labels) -> torch.Tensor:
+        if self.config.objective == "mlm":
+            s = from_pipe(MaskedLMOutput, outputs)
+            out = PretrainingOutput(s.mlm_loss, s.mlm_loss.detach(), None, row_float(s.mlm_accuracy_bits), None,
+                                    None, None)
+        else:
+            s = from_pipe(DiscriminatorHidden, outputs)
+            # The value of the exact float32 loss, the gradient of the copy in the model's dtype.
+            mlm = s.mlm_loss.float() + (row_float(s.mlm_loss_bits) - s.mlm_loss.detach().float())
+            out = electra_output(mlm, row_float(s.mlm_accuracy_bits), s.hidden, s.is_replaced.bool(),
+                                 s.attention_mask, self.config.rtd_weight)
+        self.records.append(torch.stack([getattr(out, name).detach().float() for name in self.names]))
+        return out.loss
+
+
+def build_pipeline_module(config: ElectraConfig, num_stages: int, partition_method: str = "parameters",
+                          activation_checkpoint_interval: int = 0, seed: int | None = None) -> PipelineModule:
+    """The ELECTRA (or MLM) pretraining step as a ``PipelineModule`` of the model's own layer classes.
+
+    ``seed``: seeds the per-micro-batch masking/Gumbel streams (offset by the global rank, so
+    data-parallel replicas differ); None draws them from torch's global RNG, which ``torch.manual_seed``
+    governs as it does for the plain model. Needs ``deepspeed.init_distributed()`` first.
+    Only encoder layers are activation-checkpointed (recomputing the masking or sampling layers would
+    draw new randomness), non-reentrantly: the generator's loss passes through checkpointed layers of
+    the discriminator and DeepSpeed's reentrant checkpoint frees its inputs after the first of the
+    engine's per-output backward calls.
+    """
+    widths = {config.discriminator.embedding_size, config.discriminator.hidden_size}
+    if config.objective == "electra":
+        widths.add(config.generator.hidden_size)
+    if min(widths) <= MAX_INT_FIELDS:  # see layers.py: the first float must outgrow the integer fields
+        raise ConfigError(f"hidden and embedding widths {sorted(widths)} must exceed {MAX_INT_FIELDS} for the "
+                          "pipeline engine; use wider models")
+    if seed is not None:
+        seed += dist.get_rank()
+    plan = _layer_plan(config, seed)
+    module = PipelineModule(
+        layers=[spec for spec, _ in plan], num_stages=num_stages, loss_fn=ElectraPipelineLoss(config),
+        partition_method=partition_method, activation_checkpoint_interval=activation_checkpoint_interval,
+        activation_checkpoint_func=non_reentrant_checkpoint, checkpointable_layers=[EncoderLayer.__name__])
+    module.electra_config = config
+    return module
+
+
+@torch.no_grad()
+def load_plain_state_dict(module: PipelineModule, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy an ``ElectraForPretraining`` state dict into this rank's layers (call before ``deepspeed.initialize``).
+
+    Every parameter a local layer holds must be in ``state_dict`` (KeyError otherwise).
+    """
+    names = pipeline_layer_names(module.electra_config)
+    shared_prefix = names[1]
+
+    def load(layer: nn.Module, prefix: str) -> None:
+        layer.load_state_dict({key: state_dict[prefix + key] for key in layer.state_dict()})
+
+    for local_index, layer in enumerate(module.forward_funcs):
+        prefix = names.get(module._local_start + local_index)
+        if prefix is not None:
+            load(layer, prefix)
+    for shared in module.tied_modules.values():  # also the copies that no layer file holds
+        load(shared, shared_prefix)
+
+
+def pipeline_metrics(engine) -> dict[str, float]:
+    """The plain model's ``PretrainingOutput.metrics()`` for the last ``train_batch``/``eval_batch``.
+
+    Averaged over its micro-batches and the data-parallel replicas; a collective: every rank calls it
+    and gets the same dict.
+    """
+    module = engine.module
+    loss_fn: ElectraPipelineLoss = module.loss_fn
+    values = torch.zeros(len(loss_fn.names), device=engine.device)
+    if engine.is_last_stage():
+        # The engine resets fwd_outputs at every schedule: one loss per micro-batch of the last step.
+        micro_batches = len(engine.fwd_outputs)
+        values = torch.stack(list(loss_fn.records)[-micro_batches:]).mean(0).to(engine.device)
+        loss_fn.records.clear()
+        if engine.is_data_parallel:
+            dist.all_reduce(values, group=engine.grid.get_data_parallel_group())
+            values /= engine.dp_world_size
+    if engine.is_pipe_parallel:
+        dist.broadcast(values, src=engine.grid.stage_to_global(engine.num_stages - 1),
+                       group=engine.grid.get_pipe_parallel_group())
+    return dict(zip(loss_fn.names, values.tolist()))
+
+
+def pipeline_batch(batch: dict[str, torch.Tensor]) -> tuple:
+    """A data-loader batch -> ``(inputs, labels)`` for ``PipelineEngine.train_batch``'s iterator.
+
+    ``labels`` is empty: what the loss needs (masks, corruptions, the generator's loss) is made on the
+    first stage and travels down the pipe, so the last stage's batch cannot disagree with the first's.
+    """
+    input_ids = batch["input_ids"].long()
+    attention_mask = batch.get("attention_mask")
+    token_type_ids = batch.get("token_type_ids")
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids.long()
+    return (input_ids, attention_mask, token_type_ids), ()
+
+
+def check_pipeline_ds_config(ds_config: dict) -> None:
+    """Reject DeepSpeed settings the pipeline engine cannot run, before it starts."""
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if stage >= 2:
+        raise ConfigError(f"zero_optimization.stage={stage} cannot be combined with pipeline parallelism; "
+                          "use stage 0 or 1")
+    if (ds_config.get("bf16") or {}).get("enabled") and stage != 1:
+        raise ConfigError(f"bf16.enabled=true with zero_optimization.stage={stage}: DeepSpeed's pipeline engine "
+                          "cannot reload such checkpoints; set zero_optimization.stage=1")
+    clipping = ds_config.get("gradient_clipping", 1.0)  # DeepSpeed's default
+    if stage == 0 and clipping and not (ds_config.get("fp16") or {}).get("enabled"):
+        raise ConfigError(f"gradient_clipping={clipping} with zero_optimization.stage=0 in fp32: DeepSpeed's pipeline "
+                          "engine then clips by the norm of the first stage's gradients only; use "
+                          "zero_optimization.stage=1 or set gradient_clipping=0")

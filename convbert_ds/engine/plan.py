@@ -1,0 +1,243 @@
+"""The run's plan: the training config checked and resolved once, before any process group starts.
+
+``resolve(cfg, world_size)`` holds every check of the training config that needs more than one key, the
+shards, the DeepSpeed file or the world size, and returns a ``RunPlan``: the DeepSpeed dict, gradient
+accumulation, precision, the ELECTRA/model config sized to the shards' tokenizer, and the pipeline
+layout. The trainer, ``--check-config`` (the Slurm scripts' up-front check) and ``--print-config`` all
+start from it, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from convbert_ds.config import (
+    ConfigError,
+    ElectraConfig,
+    ModelConfig,
+    generator_config,
+    preset,
+    preset_generator_multiplier,
+)
+from convbert_ds.data.loader import parse_sets
+from convbert_ds.data.shards import check_same_tokenizer, open_split
+from convbert_ds.engine.pipeline import check_pipeline_ds_config
+from convbert_ds.engine.train_config import TrainConfig
+from convbert_ds.formats.shard_manifest import read_manifest
+from convbert_ds.formats.init_dir import init_generator_config, init_model_config, read_init
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# DeepSpeed keys the trainer writes from the training config; in a DeepSpeed file they would be ignored
+# without a word, so they are an error naming the key to set instead.
+TRAINER_OWNED_DS_KEYS = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size (accumulation = global / (micro x data-parallel ranks))",
+    "gradient_clipping": "train.grad_clip",
+    "optimizer": "train.lr, train.weight_decay and train.adam_*",
+    "scheduler": "train.warmup_steps and train.steps",
+    "steps_per_print": "log.interval",
+}
+# What may change in a published model's config when pretraining continues from it (model.init_from_hf).
+INIT_SAFE_OVERRIDES = ("sdconv_impl", "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    cfg: TrainConfig
+    world_size: int
+    ds_config: dict  # what deepspeed.initialize gets
+    grad_accum: int
+    precision: str
+    electra: ElectraConfig
+    sets: list  # [(shard dir, weight)]
+    tokenizer: dict  # the shards' tokenizer, as their manifest records it
+    has_valid: bool  # every shard dir has a validation split
+
+    @property
+    def pipelined(self) -> bool:
+        return self.cfg.pipeline.stages > 1
+
+    @property
+    def zero_stage(self) -> int:
+        return self.ds_config.get("zero_optimization", {}).get("stage", 0)
+
+    def to_dict(self) -> dict:
+        """Everything resolved, as ``--print-config`` shows it."""
+        return {"config": self.cfg.to_dict(), "world_size": self.world_size, "precision": self.precision,
+                "gradient_accumulation_steps": self.grad_accum, "deepspeed": self.ds_config,
+                "electra": self.electra.to_dict(), "tokenizer": self.tokenizer,
+                "data_sets": [{"path": str(p), "weight": w} for p, w in self.sets], "has_valid": self.has_valid}
+
+
+def resolve_ds_path(value: str) -> Path:
+    """DeepSpeed config paths are relative to the working directory, else to this repository."""
+    path = Path(value)
+    if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
+        path = REPO_ROOT / path
+    if not path.is_file():
+        raise ConfigError(f"deepspeed.config={value!r}: file not found; use one of ds_configs/*.json "
+                          "or an inline mapping")
+    return path
+
+
+def load_ds_config(cfg: TrainConfig) -> dict:
+    """The DeepSpeed file's own part: ZeRO stage, offload, communication, bucket sizes, precision flag."""
+    raw, where = cfg.deepspeed.config, "deepspeed.config"
+    if isinstance(raw, str):
+        where = str(resolve_ds_path(raw))
+        try:
+            raw = json.loads(Path(where).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ConfigError(f"{where}: not valid JSON ({error}); fix the file or use one of ds_configs/*.json")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"deepspeed.config: expected a path or a mapping, got {raw!r}")
+    owned = [(key, use) for key, use in TRAINER_OWNED_DS_KEYS.items() if key in raw]
+    if "activation_checkpoint_interval" in (raw.get("pipeline") or {}):
+        owned.append(("pipeline.activation_checkpoint_interval", "train.activation_checkpointing"))
+    if owned:
+        key, use = owned[0]
+        raise ConfigError(f"{where}: {key} is set by the trainer from the training config; delete it there and "
+                          f"set {use} instead" + (f" (also: {', '.join(k for k, _ in owned[1:])})" if owned[1:] else ""))
+    return json.loads(json.dumps(raw))
+
+
+def precision_of(cfg: TrainConfig, ds_config: dict) -> str:
+    if cfg.train.precision is not None:
+        return cfg.train.precision
+    for name in ("bf16", "fp16"):
+        if ds_config.get(name, {}).get("enabled"):
+            return name
+    return "fp32"
+
+
+def build_ds_config(cfg: TrainConfig, base: dict, grad_accum: int, precision: str) -> dict:
+    """The training config's batch, optimiser, schedule and precision written into the DeepSpeed file's."""
+    t = cfg.train
+    ds = dict(base)
+    ds.update(train_batch_size=t.global_batch_size, train_micro_batch_size_per_gpu=t.micro_batch_size,
+              gradient_accumulation_steps=grad_accum, gradient_clipping=t.grad_clip, steps_per_print=10**9)
+    ds["optimizer"] = {"type": "AdamW", "params": {
+        "lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps, "weight_decay": t.weight_decay,
+        # torch's AdamW: no CUDA extension to build, and it runs on CPU ranks too.
+        "torch_adam": True, "adam_w_mode": True}}
+    warmup = max(2, min(t.warmup_steps, t.steps - 1))
+    ds["scheduler"] = {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": warmup,
+        "total_num_steps": max(t.steps, warmup + 1), "warmup_type": "linear"}}
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision == "bf16"}
+    ds["fp16"] = {**ds.get("fp16", {}), "enabled": precision == "fp16"}
+    if precision == "fp16":
+        ds["fp16"].setdefault("loss_scale", 0)  # dynamic loss scaling
+        ds["fp16"].setdefault("initial_scale_power", 16)
+    return ds
+
+
+def _electra_config(cfg: TrainConfig, vocab_size: int, special_ids: dict) -> ElectraConfig:
+    """The model, sized to the tokenizer the shards were made with."""
+    m = cfg.model
+    if m.init_from_hf:
+        body, generator = _init_bodies(cfg, vocab_size)
+    else:
+        overrides = dict(m.overrides)
+        if overrides.get("vocab_size", vocab_size) != vocab_size:
+            raise ConfigError(f"model.overrides.vocab_size={overrides['vocab_size']} but the shards' tokenizer has "
+                              f"{vocab_size} tokens; drop the override (the vocabulary is read from the manifest)")
+        overrides.update(vocab_size=vocab_size, pad_token_id=special_ids["pad"])
+        overrides.setdefault("max_position_embeddings", max(cfg.data.seq_len, 128))
+        body = preset(m.preset, **overrides)
+        mult = m.generator_multiplier or (1.0 if m.tie_generator_body else preset_generator_multiplier(m.preset))
+        generator = generator_config(body, mult)
+    return ElectraConfig(
+        discriminator=body, generator=generator if m.objective == "electra" else None, objective=m.objective,
+        rtd_weight=m.rtd_weight, mask_prob=m.mask_prob, tie_generator_body=m.tie_generator_body,
+        mask_token_id=special_ids["mask"], special_token_ids=tuple(special_ids[k] for k in ("pad", "cls", "sep")))
+
+
+def _init_bodies(cfg: TrainConfig, vocab_size: int) -> tuple[ModelConfig, ModelConfig]:
+    """Discriminator and generator configs of ``model.init_from_hf``, with the overrides that are safe there."""
+    init, overrides = cfg.model.init_from_hf, cfg.model.overrides
+    body = init_model_config(init).replace(**overrides)
+    if body.vocab_size != vocab_size:
+        raise ConfigError(f"model.init_from_hf={init!r} has vocab_size={body.vocab_size} but the shards' tokenizer "
+                          f"has {vocab_size}; shard the corpus with --tokenizer {init}/tokenizer")
+    if cfg.data.seq_len > body.max_position_embeddings:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the initial model's max_position_embeddings="
+                          f"{body.max_position_embeddings}")
+    generator = init_generator_config(init)
+    mult = cfg.model.generator_multiplier or preset_generator_multiplier(cfg.model.preset)
+    return body, (generator.replace(**overrides) if generator else generator_config(body, mult))
+
+
+def _check_combinations(cfg: TrainConfig, world_size: int) -> int:
+    """Checks across keys; returns the gradient accumulation."""
+    t, p, m = cfg.train, cfg.pipeline, cfg.model
+    if m.tie_generator_body:
+        if m.objective != "electra":
+            raise ConfigError("model.tie_generator_body=true ties the ELECTRA generator to the discriminator; the "
+                              f"objective is {m.objective!r}: drop the key or use model.objective=electra")
+        if p.stages > 1 or m.init_from_hf:
+            raise ConfigError("model.tie_generator_body=true is not supported with pipeline.stages > 1 or "
+                              "model.init_from_hf; drop one of them")
+    unsafe = sorted(set(m.overrides) - set(INIT_SAFE_OVERRIDES)) if m.init_from_hf else []
+    if unsafe:
+        raise ConfigError(f"model.overrides {unsafe} cannot change a published model (model.init_from_hf="
+                          f"{m.init_from_hf!r}); only {list(INIT_SAFE_OVERRIDES)} can: drop the others")
+    if world_size % p.stages:
+        raise ConfigError(f"pipeline.stages={p.stages}: must divide the number of processes ({world_size})")
+    data_parallel = world_size // p.stages
+    per_step = t.micro_batch_size * data_parallel
+    if t.global_batch_size % per_step:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size "
+                          f"({t.micro_batch_size}) x data-parallel ranks ({data_parallel}) = {per_step}; "
+                          f"use e.g. {per_step * max(1, round(t.global_batch_size / per_step))}")
+    d = cfg.eval.downstream
+    if d.interval:
+        if d.interval % cfg.checkpoint.interval:
+            raise ConfigError(f"eval.downstream.interval={d.interval}: the probe fine-tunes a saved checkpoint, so "
+                              f"use a multiple of checkpoint.interval={cfg.checkpoint.interval} (0 turns it off)")
+        if bool(d.glue_task) == bool(d.train or d.validation):
+            raise ConfigError("eval.downstream: give either glue_task + data_dir or train + validation (a custom "
+                              "task as python -m convbert_ds.finetune takes it)")
+        names = ("data_dir",) if d.glue_task else ("train", "validation")
+        for name in names:
+            if not getattr(d, name) or not Path(getattr(d, name)).exists():
+                raise ConfigError(f"eval.downstream.{name}={getattr(d, name)!r}: not found; point it at the task's files")
+        if d.nice > 19:
+            raise ConfigError(f"eval.downstream.nice={d.nice}: use a priority in [0, 19]")
+    return t.global_batch_size // per_step
+
+
+def _has_valid(path: Path) -> bool:
+    """Whether a shard dir has documents to evaluate on; a damaged validation split is an error, not a
+    reason to run without evaluation."""
+    split = read_manifest(path, verify=False)["splits"].get("valid")
+    return bool(split and split["documents"]) and bool(open_split(path, "valid"))
+
+
+def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunPlan:
+    """Check everything that needs no process group and resolve the run (see the module docstring)."""
+    grad_accum = _check_combinations(cfg, world_size)
+    base_ds = load_ds_config(cfg)
+    precision = precision_of(cfg, base_ds)
+    if precision == "fp16" and not (torch.cuda.is_available() if cuda is None else cuda):
+        raise ConfigError("fp16 needs a GPU (DeepSpeed refuses fp16 on CPU); use train.precision=bf16 or fp32")
+    ds_config = build_ds_config(cfg, base_ds, grad_accum, precision)
+    if cfg.pipeline.stages > 1:
+        check_pipeline_ds_config(ds_config)
+    sets = parse_sets(cfg.data.sets)
+    train_splits = [open_split(path, "train") for path, _ in sets]
+    check_same_tokenizer(train_splits)
+    first = train_splits[0]
+    if cfg.model.init_from_hf and read_init(cfg.model.init_from_hf)["tokenizer"]["sha256"] != first.tokenizer.get(
+            "sha256"):
+        raise ConfigError(f"model.init_from_hf={cfg.model.init_from_hf!r}: the shards were made with another "
+                          f"tokenizer; shard the corpus with --tokenizer {cfg.model.init_from_hf}/tokenizer")
+    return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
+                   electra=_electra_config(cfg, first.vocab_size, first.special_ids), sets=sets,
+                   tokenizer=first.tokenizer, has_valid=all(_has_valid(path) for path, _ in sets))

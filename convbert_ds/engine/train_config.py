@@ -1,0 +1,278 @@
+"""The training run's one config file: typed, loaded from YAML/JSON + ``key=value`` overrides.
+
+    model:      {preset: small, objective: electra, overrides: {...}, init_from_hf: null}
+    data:       {sets: [{path: SHARD_DIR, weight: 1.0}], seq_len: 128}
+    train:      {micro_batch_size: 32, global_batch_size: 128, steps: 1000000, lr: 3e-4, ...}
+    checkpoint: {dir: runs/x/checkpoints, interval: 5000, keep_last: 3}
+    eval:       {interval: 5000, samples: 2048}
+    log:        {interval: 50, dir: null}
+    deepspeed:  {config: ds_configs/zero1_bf16.json}       # a path, or an inline dict
+    pipeline:   {stages: 1}
+
+Each key's type, default, lower bound and meaning are declared once, below (``Key``); loading checks
+them and ``python -m convbert_ds.train --help`` prints them. Checks that need several keys, the shards
+or the world size live in ``engine/plan.py``, which resolves this config into the run's plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+
+from convbert_ds.config import ConfigError
+from convbert_ds.data.packing import MIN_SEQ_LEN
+
+
+@dataclass(frozen=True)
+class Key:
+    """What a config key means, and the smallest value it takes (None: any)."""
+
+    help: str
+    min: float | None = None
+
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass
+class ModelSection:
+    preset: Annotated[str, Key("model size: tiny, small, medium-small or base (the paper's Table 5)")] = "small"
+    objective: Annotated[Literal["electra", "mlm"], Key("electra: generator + replaced-token detection; "
+                                                        "mlm: masked LM alone")] = "electra"
+    generator_multiplier: Annotated[float | None, Key("generator width / discriminator width; null: the "
+                                                      "paper's (1/4 small, 1/3 base)", min=0.0)] = None
+    rtd_weight: Annotated[float, Key("weight of the discriminator's loss (ELECTRA: 50)", min=0.0)] = 50.0
+    tie_generator_body: Annotated[bool, Key(
+        "ELECTRA's 'tie all weights': the generator is the discriminator's encoder under its own MLM head "
+        "(generator_multiplier 1.0); with rtd_weight 1 what makes the tiny preset transfer")] = False
+    mask_prob: Annotated[float, Key("share of tokens masked", min=0.0)] = 0.15
+    overrides: Annotated[dict, Key("any ModelConfig field, e.g. {num_hidden_layers: 2}; with init_from_hf only "
+                                   "dropout and sdconv_impl")] = field(default_factory=dict)
+    init_from_hf: Annotated[str | None, Key("continue pretraining a published model: a directory written by "
+                                            "python -m convbert_ds.convert --from-hf HF_DIR --out DIR")] = None
+
+
+@dataclass
+class DataSection:
+    sets: Annotated[list, Key("shard directories: [{path: SHARD_DIR, weight: 1.0}, ...]")] = field(
+        default_factory=list)
+    seq_len: Annotated[int, Key("tokens per sample", min=MIN_SEQ_LEN)] = 128
+    seed: Annotated[int, Key("seed of the sample order and the masks")] = 1234
+    num_workers: Annotated[int, Key("data-loader worker processes per rank", min=0)] = 1
+    cache_dir: Annotated[str | None, Key("where sample indexes go when the shard dirs are read-only")] = None
+
+
+@dataclass
+class TrainSection:
+    micro_batch_size: Annotated[int, Key("samples per rank per forward/backward", min=1)] = 32
+    global_batch_size: Annotated[int, Key("samples per optimiser step, all ranks (gradient accumulation "
+                                          "makes up the rest)", min=1)] = 128
+    steps: Annotated[int, Key("optimiser steps", min=1)] = 1000
+    lr: Annotated[float, Key("peak learning rate (AdamW, linear warm-up then linear decay)", min=0.0)] = 3e-4
+    warmup_steps: Annotated[int, Key("linear warm-up steps", min=0)] = 10000
+    weight_decay: Annotated[float, Key("AdamW weight decay (not on biases and LayerNorm)", min=0.0)] = 0.01
+    adam_beta1: Annotated[float, Key("AdamW beta1", min=0.0)] = 0.9
+    adam_beta2: Annotated[float, Key("AdamW beta2", min=0.0)] = 0.999
+    adam_eps: Annotated[float, Key("AdamW epsilon", min=0.0)] = 1e-6
+    grad_clip: Annotated[float, Key("gradient-norm clipping; 0: off", min=0.0)] = 1.0
+    precision: Annotated[Precision | None, Key("fp32, bf16 or fp16; null: as the DeepSpeed file's "
+                                               "bf16/fp16 'enabled' says")] = None
+    seed: Annotated[int, Key("seed of the initial weights")] = 1234
+    activation_checkpointing: Annotated[bool, Key("recompute activations in the backward (less memory)")] = False
+    max_nonfinite_in_a_row: Annotated[int, Key("stop after this many non-finite losses in a row", min=1)] = 10
+    peak_tflops: Annotated[float | None, Key("per-device peak for MFU; null: known GPUs only", min=0.0)] = None
+
+
+@dataclass
+class CheckpointSection:
+    dir: Annotated[str, Key("checkpoint directory; rerunning the command resumes from it")] = \
+        "runs/default/checkpoints"
+    interval: Annotated[int, Key("steps between checkpoints", min=1)] = 1000
+    keep_last: Annotated[int, Key("complete checkpoints kept", min=1)] = 3
+
+
+@dataclass
+class DownstreamSection:
+    """Transfer watched during pretraining: every ``interval`` steps (at a checkpoint) rank 0 fine-tunes
+    that checkpoint's discriminator on a task, in a separate low-priority process (convbert_ds.finetune),
+    and logs the score next to a random-init baseline measured once per run."""
+
+    interval: Annotated[int, Key("steps between probes, a multiple of checkpoint.interval; 0: off", min=0)] = 0
+    glue_task: Annotated[str | None, Key("a GLUE task name (with data_dir)")] = None
+    data_dir: Annotated[str | None, Key("the GLUE task's directory")] = None
+    train: Annotated[str | None, Key("a custom task's training file")] = None
+    validation: Annotated[str | None, Key("a custom task's validation file")] = None
+    text_column: Annotated[str, Key("a custom task's text column")] = "text"
+    text_pair_column: Annotated[str | None, Key("a custom task's second text column")] = None
+    label_column: Annotated[str, Key("a custom task's label column")] = "label"
+    task_type: Annotated[str | None, Key("classification or regression; null: from the labels")] = None
+    finetune_args: Annotated[list, Key("more fine-tuning options, e.g. [--epochs, 2, --seeds, 3]")] = field(
+        default_factory=list)
+    random_baseline: Annotated[bool, Key("also fine-tune a random init once, for comparison")] = True
+    nice: Annotated[int, Key("scheduling priority of the probe (0-19): the training ranks come first",
+                             min=0)] = 10
+    threads: Annotated[int, Key("torch threads of the probe process", min=1)] = 1
+
+
+@dataclass
+class EvalSection:
+    interval: Annotated[int, Key("steps between validation passes; 0: off", min=0)] = 1000
+    samples: Annotated[int, Key("validation samples per pass", min=0)] = 1024
+    downstream: DownstreamSection = field(default_factory=DownstreamSection)
+
+
+@dataclass
+class LogSection:
+    interval: Annotated[int, Key("steps between log lines", min=1)] = 10
+    dir: Annotated[str | None, Key("TensorBoard events + metrics.jsonl; null: next to checkpoint.dir")] = None
+
+
+@dataclass
+class DeepSpeedSection:
+    config: Annotated[typing.Any, Key("a ds_configs/*.json path or an inline mapping: ZeRO stage, offload, "
+                                      "communication and bucket sizes (the rest is set here)")] = \
+        "ds_configs/zero1_bf16.json"
+
+
+@dataclass
+class PipelineSection:
+    stages: Annotated[int, Key("pipeline stages; must divide the number of processes", min=1)] = 1
+    partition_method: Annotated[str, Key("DeepSpeed's layer partitioning: parameters, uniform or "
+                                         "type:REGEX")] = "parameters"
+
+
+@dataclass
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    log: LogSection = field(default_factory=LogSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.log.dir) if self.log.dir else Path(self.checkpoint.dir).parent / "logs"
+
+
+# Loading ----------------------------------------------------------------------
+
+
+def _build(cls, values: dict, where: str):
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys, wrong types and values too small."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(known)}")
+    kwargs = {}
+    for name, value in values.items():
+        hint, path = hints[name], f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value or {}, path)
+            continue
+        hint, key = typing.get_args(hint) if typing.get_origin(hint) is Annotated else (hint, None)
+        kwargs[name] = _coerce(value, hint, path)
+        if key is not None and key.min is not None and kwargs[name] is not None and kwargs[name] < key.min:
+            raise ConfigError(f"{path}={value!r}: must be >= {key.min:g} ({key.help})")
+    return cls(**kwargs)
+
+
+def _coerce(value, hint, path: str):
+    if hint is typing.Any:
+        return value
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{path}: may not be null")
+    for kind in allowed:
+        origin = typing.get_origin(kind) or kind
+        if origin is Literal:
+            if value in typing.get_args(kind):
+                return value
+            raise ConfigError(f"{path}={value!r}: use one of {list(typing.get_args(kind))}")
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if origin in (str, bool, list, dict) and isinstance(value, origin):
+            return value
+    names = [getattr(k, "__name__", str(k)) for k in allowed]
+    raise ConfigError(f"{path}={value!r}: expected {' or '.join(names)}")
+
+
+def describe_keys(cls=TrainConfig, where: str = "") -> list[str]:
+    """One line per key: ``section.key  TYPE = DEFAULT  meaning`` (the trainer's ``--help``)."""
+    lines, defaults = [], cls()
+    for f in fields(cls):
+        hint, path = typing.get_type_hints(cls, include_extras=True)[f.name], f"{where}{f.name}"
+        if dataclasses.is_dataclass(hint):
+            lines += describe_keys(hint, path + ".")
+            continue
+        kind, key = typing.get_args(hint)
+        name = str(kind).replace("typing.", "") if typing.get_origin(kind) else kind.__name__
+        bound = f", >= {key.min:g}" if key.min is not None else ""
+        lines.append(f"  {path} ({name}{bound}) = {getattr(defaults, f.name)!r}\n      {key.help}")
+    return lines
+
+
+def _set_path(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {key} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["train.lr=1e-4", "model.overrides.num_hidden_layers=2"]`` -> nested dict (values parsed as YAML)."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=100)")
+        key, raw = item.split("=", 1)
+        try:
+            _set_path(tree, key.strip(), yaml.safe_load(raw))
+        except yaml.YAMLError as error:
+            raise ConfigError(f"override {item!r}: not a YAML value ({error.problem})") from None
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> TrainConfig:
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = (json.load(f) if path.suffix == ".json" else yaml.safe_load(f)) or {}
+        except (UnicodeDecodeError, yaml.YAMLError, json.JSONDecodeError) as error:
+            raise ConfigError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
+                              f"{str(error).splitlines()[0]}") from None
+    return _build(TrainConfig, _merge(values, parse_overrides(list(overrides))), "")

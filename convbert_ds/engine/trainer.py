@@ -1,0 +1,325 @@
+"""The training loop: a resolved ``RunPlan`` -> a DeepSpeed engine (plain or pipeline), its data, its
+checkpoints (saved every ``checkpoint.interval`` steps and on SIGUSR1/SIGTERM) and its metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
+
+from convbert_ds.data.loader import build_dataloader
+from convbert_ds.engine import checkpoint
+from convbert_ds.engine.downstream_probe import DownstreamProbes
+from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
+from convbert_ds.engine.pipeline import (
+    build_pipeline_module,
+    load_plain_state_dict,
+    pipeline_batch,
+    pipeline_metrics,
+)
+from convbert_ds.engine.plan import RunPlan
+from convbert_ds.engine.train_config import DownstreamSection
+from convbert_ds.formats.init_dir import load_init_weights
+from convbert_ds.model import ElectraForPretraining
+from convbert_ds.model.optim import param_groups
+
+EXIT_PREEMPTED = 3
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class Preemption:
+    """Remembers SIGUSR1/SIGTERM so the loop can checkpoint at the end of the step."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, device) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class MetricsLog:
+    """Rank 0's log line, metrics.jsonl (for plots) and TensorBoard events."""
+
+    def __init__(self, log_dir: Path, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.path = log_dir / "metrics.jsonl"
+        self.writer = None
+        if not enabled:
+            return
+        log_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.truncate_jsonl(self.path, start_step)
+
+        self.writer = SummaryWriter(str(log_dir / "tensorboard"), purge_step=start_step + 1)
+
+    def write(self, step: int, metrics: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+def format_line(step: int, steps: int, m: dict) -> str:
+    parts = [f"step {step}/{steps}", f"loss {m['loss']:.4f}"]
+    for key, label, fmt in (("mlm_loss", "gen", ".4f"), ("rtd_loss", "disc", ".4f"), ("mlm_accuracy", "mlm_acc", ".3f"),
+                            ("rtd_accuracy", "rtd_acc", ".3f"), ("lr", "lr", ".2e"), ("grad_norm", "gnorm", ".3f"),
+                            ("samples_per_s", "samples/s", ".1f"), ("tokens_per_s", "tok/s", ".0f"),
+                            ("tflops", "TFLOP/s", ".2f"), ("mfu", "MFU", ".1%")):
+        if m.get(key) is not None:
+            parts.append(f"{label} {m[key]:{fmt}}")
+    return " | ".join(parts)
+
+
+class Trainer:
+    def __init__(self, plan: RunPlan):
+        self.plan, self.cfg = plan, plan.cfg
+        self.electra, self.sets, self.grad_accum = plan.electra, plan.sets, plan.grad_accum
+        self.precision, self.ds_config, self.pipelined = plan.precision, plan.ds_config, plan.pipelined
+
+    # Setup (after the process group exists) -------------------------------------
+    def _initial_plain_model(self):
+        """The plain model, from published weights when ``model.init_from_hf`` is set."""
+
+        model = ElectraForPretraining(self.electra)
+        if self.cfg.model.init_from_hf:
+
+            fresh = load_init_weights(model, self.cfg.model.init_from_hf)
+            if dist.get_rank() == 0:
+                print(f"initialised from {self.cfg.model.init_from_hf}; fresh: {len(fresh)} tensors "
+                      f"({', '.join(fresh[:4])}{' ...' if len(fresh) > 4 else ''})", flush=True)
+        return model
+
+    def _build_model(self):
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        if self.pipelined:
+
+            module = build_pipeline_module(self.electra, cfg.pipeline.stages, cfg.pipeline.partition_method,
+                                           activation_checkpoint_interval=1 if cfg.train.activation_checkpointing
+                                           else 0, seed=cfg.train.seed)
+            if cfg.model.init_from_hf:
+                load_plain_state_dict(module, self._initial_plain_model().state_dict())
+            return module
+        model = self._initial_plain_model()
+        for module in model.modules():
+            if hasattr(module, "gradient_checkpointing"):
+                module.gradient_checkpointing = cfg.train.activation_checkpointing
+        return model
+
+    def setup(self):
+
+        cfg = self.cfg
+        model = self._build_model()
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(
+            model, cfg.train.weight_decay), config=self.ds_config)
+        self.device = self.engine.device
+        if self.pipelined:
+            self.dp_rank = self.engine.grid.get_data_parallel_rank()
+            self.dp_size = self.engine.grid.get_data_parallel_world_size()
+        else:
+            self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        self.is_logger = dist.get_rank() == 0
+        self.train_loader = build_dataloader(
+            cfg.data.sets, "train", seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size,
+            seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
+            cache_dir=cfg.data.cache_dir, progress=self.is_logger)
+        self.valid_loader = None
+        if self.plan.has_valid and cfg.eval.samples > 0:
+            self.valid_loader = build_dataloader(
+                cfg.data.sets, "valid", seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size,
+                seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, max_samples=cfg.eval.samples,
+                cache_dir=cfg.data.cache_dir, progress=self.is_logger)
+        self.ckpt_dir = Path(cfg.checkpoint.dir)
+        self.step, self.nonfinite_total = 0, 0
+        self._resume()
+        if self.step == 0:  # a resumed run has its RNG states back from the checkpoint
+            torch.manual_seed(cfg.train.seed + 1 + dist.get_rank())
+        self.flops_per_sample = training_flops_per_sample(self.electra, cfg.data.seq_len)
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        self.peak_tflops = device_peak_tflops(name, cfg.train.peak_tflops)
+        self.log = MetricsLog(cfg.log_dir, self.step, self.is_logger)
+        self.probes = DownstreamProbes(cfg.eval.downstream if self.is_logger else DownstreamSection(), cfg.log_dir,
+                                       lambda step, row: self.log.write(step, row, prefix="downstream"))
+
+    def _resume(self):
+        if dist.get_rank() == 0:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            removed = checkpoint.remove_incomplete(self.ckpt_dir)
+            if removed:
+                print(f"removed incomplete checkpoint(s) {removed} (an interrupted save)", flush=True)
+        dist.barrier()
+        tag = checkpoint.latest_complete(self.ckpt_dir)
+        if tag is None:
+            return
+        state = checkpoint.load(self.engine, self.ckpt_dir, tag)
+        self.train_loader.load_state_dict(state["data"])
+        self.step, self.nonfinite_total = state["step"], state.get("nonfinite_total", 0)
+        if self.is_logger:
+            print(f"resumed from {self.ckpt_dir / tag} at step {self.step} "
+                  f"({state['data']['consumed_samples']} samples consumed)", flush=True)
+
+    # The loop ---------------------------------------------------------------------
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _plain_step(self, batches) -> tuple[dict, int]:
+        sums, finite_count, nonfinite = defaultdict(float), 0, 0
+        for _ in range(self.grad_accum):
+            batch = self._to_device(next(batches))
+            out = self.engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+            finite = torch.isfinite(out.loss.detach()).float()
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if finite.item():
+                self.engine.backward(out.loss)
+                for key, value in out.metrics().items():
+                    sums[key] += value
+                finite_count += 1
+            else:
+                # Drop this micro-batch: a zero loss that touches every parameter keeps DeepSpeed's
+                # gradient hooks in step, without back-propagating through non-finite activations.
+                self.engine.backward(sum(p.sum() * 0.0 for p in self.engine.module.parameters()))
+                nonfinite += 1
+            self.engine.step()
+        metrics = {k: v / max(finite_count, 1) for k, v in sums.items()}
+        return metrics, nonfinite
+
+    def _pipeline_step(self, batches) -> tuple[dict, int]:
+
+        loss = self.engine.train_batch(data_iter=(pipeline_batch(self._to_device(b)) for b in batches))
+        metrics = pipeline_metrics(self.engine)
+        return metrics, 0 if math.isfinite(float(loss)) else 1
+
+    def evaluate(self) -> dict | None:
+        if self.valid_loader is None:
+            return None
+        self.engine.eval()
+        sums, count = defaultdict(float), 0
+        # Evaluation draws its masks from a fixed seed, off the training RNG stream, so that
+        # evaluating (or not) never changes training and every evaluation sees the same masks.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), torch.no_grad():
+            torch.manual_seed(self.cfg.data.seed + 7919 * (1 + self.dp_rank))
+            if self.pipelined:
+
+                batches = [pipeline_batch(self._to_device(b)) for b in self.valid_loader]
+                if batches:
+                    self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))
+                    sums, count = pipeline_metrics(self.engine), 1
+            else:
+                for batch in self.valid_loader:
+                    batch = self._to_device(batch)
+                    for key, value in self.engine(batch["input_ids"], batch["attention_mask"],
+                                                  batch["token_type_ids"]).metrics().items():
+                        sums[key] += value
+                    count += 1
+                sums, count = self._mean_over_ranks(sums, count), 1
+        self.engine.train()
+        return {k: v / max(count, 1) for k, v in sums.items()}
+
+    def _mean_over_ranks(self, sums: dict, count: int) -> dict:
+        keys = sorted(sums)
+        # On the rank's device: NCCL reduces CUDA tensors only (a CPU tensor fails the first eval on GPUs).
+        packed = torch.tensor([sums[k] for k in keys] + [float(count)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(packed)
+        return {k: packed[i].item() / max(packed[-1].item(), 1) for i, k in enumerate(keys)}
+
+    def save(self):
+        state = {
+            "step": self.step, "data": self.train_loader.state_dict(), "nonfinite_total": self.nonfinite_total,
+            "samples_seen": self.train_loader.consumed_samples,
+            "tokens_seen": self.train_loader.consumed_samples * self.cfg.data.seq_len,
+            "config": self.cfg.to_dict(), "electra_config": self.electra.to_dict(), "precision": self.precision,
+            "pipeline_stages": self.cfg.pipeline.stages, "world_size": dist.get_world_size(),
+            "zero_stage": self.plan.zero_stage,
+            "tokenizer": self.plan.tokenizer, "data_sets": [{"path": str(p), "weight": w} for p, w in self.sets],
+        }
+        tag = checkpoint.save(self.engine, self.ckpt_dir, self.step, state, self.cfg.checkpoint.keep_last)
+        if self.is_logger:
+            print(f"saved checkpoint {self.ckpt_dir / tag}", flush=True)
+            self.probes.after_save(self.step, self.ckpt_dir / tag)
+
+    def train(self, preemption: Preemption) -> int:
+        cfg, t = self.cfg, self.cfg.train
+        batches = iter(self.train_loader)
+        nonfinite_in_a_row, saved_at = 0, self.step
+        while self.step < t.steps:
+            start = time.perf_counter()
+            metrics, nonfinite = (self._pipeline_step if self.pipelined else self._plain_step)(batches)
+            self.step += 1
+            elapsed = time.perf_counter() - start
+            self.probes.poll()
+            self.nonfinite_total += nonfinite
+            nonfinite_in_a_row = nonfinite_in_a_row + 1 if nonfinite else 0
+            if nonfinite_in_a_row >= t.max_nonfinite_in_a_row:
+                raise TrainingError(
+                    f"{nonfinite_in_a_row} steps in a row had a non-finite loss (step {self.step}); stopping. "
+                    f"Resume from {self.ckpt_dir} with a lower train.lr, or train.precision=bf16 instead of fp16")
+            if self.step % cfg.log.interval == 0 or self.step == t.steps or self.step == 1:
+                self._log_step(metrics, elapsed)
+            if cfg.eval.interval and self.step % cfg.eval.interval == 0:
+                self._log_eval()
+            if self.step % cfg.checkpoint.interval == 0:
+                self.save()
+                saved_at = self.step
+            if preemption.agreed(self.device):
+                if saved_at != self.step:
+                    self.save()
+                if self.is_logger:
+                    print(f"preempted at step {self.step}: checkpoint saved, exiting with {EXIT_PREEMPTED}",
+                          flush=True)
+                return EXIT_PREEMPTED
+        if saved_at != self.step:
+            self.save()
+        if cfg.eval.interval and self.step % cfg.eval.interval:
+            self._log_eval()
+        self.probes.wait()
+        self.log.close()
+        return 0
+
+    def _log_step(self, metrics: dict, elapsed: float) -> None:
+        t = self.cfg.train
+        samples_per_s = t.global_batch_size / elapsed
+        tflops = self.flops_per_sample * samples_per_s / dist.get_world_size() / 1e12
+        grad_norm = self.engine.get_global_grad_norm()
+        metrics = {**metrics, "lr": self.engine.get_lr()[0],
+                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                   "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self.cfg.data.seq_len,
+                   "tflops": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+                   "nonfinite_total": self.nonfinite_total,
+                   "consumed_samples": self.train_loader.consumed_samples}
+        if self.is_logger:
+            print(format_line(self.step, t.steps, metrics), flush=True)
+        self.log.write(self.step, {k: v for k, v in metrics.items() if v is not None})
+
+    def _log_eval(self) -> None:
+        metrics = self.evaluate()
+        if metrics is None:
+            return
+        if self.is_logger:
+            print(f"eval step {self.step} | " + " | ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())),
+                  flush=True)
+        self.log.write(self.step, metrics, prefix="valid")

@@ -1,0 +1,97 @@
+"""Files and directories that are whole or absent, and outputs that are never replaced by accident.
+
+Every write that a crash could leave half-done goes through here: a file is written under a temporary
+name in the same directory, fsync-ed and renamed onto its name; a directory is filled under a temporary
+name and swapped in by renames, so at every instant the old whole directory or the new whole one exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from convbert_ds.errors import UserError
+
+FORCE_FLAG = "--force"  # the one name, across CLIs, for "replace my non-empty output"
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomically(path, data: bytes) -> None:
+    """Temporary name, fsync, rename: a crash leaves the old file or the new one, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text_atomically(path, text: str) -> None:
+    write_bytes_atomically(path, text.encode())
+
+
+def write_json_atomically(path, obj, indent: int = 2) -> None:
+    write_text_atomically(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+def _share_like_umask(directory: Path) -> None:
+    """``mkdtemp`` makes a private (0700) directory; give the result the modes the umask asks for."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def write_dir_atomically(directory, fill: Callable[[Path], None]) -> Path:
+    """Create or replace ``directory`` with what ``fill(tmp_dir)`` writes.
+
+    The old directory is renamed aside before the new one is renamed in and only then deleted, so a crash
+    at any point leaves a whole directory on disk (the old one under ``.NAME.old-PID`` in the worst case).
+    """
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        fill(tmp)
+        _share_like_umask(tmp)
+        old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+        if directory.exists():
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        fsync_dir(directory.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def refuse_non_empty(path, force: bool, error: type[UserError] = UserError) -> None:
+    """Stop before touching a non-empty output directory unless the user passed ``--force``."""
+    path = Path(path)
+    if path.is_file():
+        raise error(f"{path} is a file; --out needs a directory")
+    if not force and path.is_dir() and any(path.iterdir()):
+        raise error(f"{path} exists and is not empty; pass {FORCE_FLAG} to replace it")

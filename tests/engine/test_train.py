@@ -1,0 +1,177 @@
+"""The DeepSpeed engine on 2 gloo CPU ranks: every ZeRO stage and precision, pipeline parallelism,
+exact resume, crash safety, and configs rejected before any rank starts."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from convbert_ds.config import ConfigError
+from convbert_ds.engine.plan import resolve
+from convbert_ds.engine.train_config import load_config
+from launch import REPO, TINY_CONFIG, check, env, run_training, train_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def _falls(rows, key="loss", window=3, margin=1.0) -> bool:
+    first = sum(r[key] for r in rows[:window]) / window
+    last = sum(r[key] for r in rows[-window:]) / window
+    return last < first - margin
+
+
+@pytest.mark.parametrize("ds_config", ["zero0_bf16", "zero1_bf16", "zero2_bf16", "zero3_bf16",
+                                       "zero3_offload_bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero_stages_train_with_falling_loss(ds_config, precision, tiny_corpus, tmp_path):
+    if ds_config == "zero3_offload_bf16" and precision == "fp32":
+        pytest.skip("one offload run is enough")
+    output = check(run_training(tmp_path, tiny_corpus["shards"], f"deepspeed.config=ds_configs/{ds_config}.json",
+                                f"train.precision={precision}", "train.steps=16", "train.warmup_steps=4",
+                                "eval.interval=0", "checkpoint.interval=100"))
+    assert f"precision={precision}" in output
+    rows = train_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    assert _falls(rows), [round(r["loss"], 3) for r in rows]
+    assert (tmp_path / "checkpoints" / "step00000016" / "COMPLETE").is_file()
+
+
+def test_pipeline_two_stages_zero1_trains(tiny_corpus, tmp_path):
+    output = check(run_training(tmp_path, tiny_corpus["shards"], "deepspeed.config=ds_configs/pipeline_zero1_bf16.json",
+                                "train.precision=fp32", "pipeline.stages=2", "train.steps=16",
+                                "train.warmup_steps=4", "eval.interval=8", "checkpoint.interval=8",
+                                "train.micro_batch_size=4"))
+    assert "pipeline_stages=2" in output and "eval step 8" in output
+    rows = train_metrics(tmp_path)
+    assert _falls(rows), [round(r["loss"], 3) for r in rows]
+    assert all(key in rows[-1] for key in ("mlm_loss", "rtd_loss", "mlm_accuracy", "rtd_accuracy"))
+    # The loss-curve command renders this run's logs.
+    plotted = subprocess.run([sys.executable, "-m", "convbert_ds.plot", str(tmp_path / "logs")], cwd=REPO,
+                             env=env(), capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr
+    png = (tmp_path / "logs" / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_exact_resume_is_bitwise(tiny_corpus, tmp_path):
+    """2N steps straight == N steps, resume, N steps: same losses bit for bit, same samples.
+
+    The interrupted run is the straight run cut at its step-N checkpoint (its later checkpoint and
+    log lines removed), so both legs share one learning-rate schedule as a real restart would.
+    """
+    common = ("train.steps=12", "train.warmup_steps=3", "eval.interval=4", "checkpoint.interval=6",
+              "data.num_workers=1")
+    check(run_training(tmp_path / "straight", tiny_corpus["shards"], *common))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "straight", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step00000012")
+    (resumed / "checkpoints" / "latest").write_text("step00000006\n")
+    output = check(run_training(resumed, tiny_corpus["shards"], *common))
+    assert "resumed from" in output and "at step 6 (96 samples consumed)" in output
+    straight_rows, resumed_rows = train_metrics(tmp_path / "straight"), train_metrics(resumed)
+    assert [r["step"] for r in resumed_rows] == list(range(1, 13))
+    for a, b in zip(straight_rows[6:], resumed_rows[6:]):
+        for key in ("loss", "mlm_loss", "rtd_loss", "mlm_accuracy", "grad_norm", "consumed_samples"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    state = json.loads((resumed / "checkpoints" / "step00000012" / "trainer_state.json").read_text())
+    assert state["data"]["consumed_samples"] == 12 * 16
+
+
+def test_kill_during_save_resumes_from_previous_checkpoint(tiny_corpus, tmp_path):
+    common = ("train.steps=12", "train.warmup_steps=3", "eval.interval=0", "checkpoint.interval=4")
+    crashed = run_training(tmp_path, tiny_corpus["shards"], *common,
+                           extra_env={"CONVBERT_DS_KILL_DURING_SAVE_AT": "8"})
+    assert crashed.returncode != 0
+    ckpt = tmp_path / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step00000004"
+    assert (ckpt / "step00000008").is_dir() and not (ckpt / "step00000008" / "COMPLETE").exists()
+    output = check(run_training(tmp_path, tiny_corpus["shards"], *common))
+    assert "removed incomplete checkpoint(s) ['step00000008']" in output
+    assert "at step 4" in output
+    assert (ckpt / "latest").read_text().strip() == "step00000012"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step")) == ["step00000008", "step00000012"]
+
+
+def test_torchrun_launches_the_same_trainer(tiny_corpus, tmp_path):
+    output = check(run_training(tmp_path, tiny_corpus["shards"], "train.steps=3", "eval.interval=0",
+                                launcher="torchrun"))
+    assert "launcher=torch world_size=2" in output
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pipeline.stages=2", "deepspeed.config=ds_configs/zero2_bf16.json"], "zero_optimization.stage=2 cannot"),
+    (["train.global_batch_size=20"], "train.global_batch_size=20 is not a multiple"),
+    (["model.overrides={vocab_size: 999}"], "model.overrides.vocab_size=999"),
+    (["train.lr_max=1"], "unknown key(s) ['lr_max']"),
+    (["train.steps=ten"], "train.steps='ten': expected int"),
+    (["train.warmup_steps=-3"], "train.warmup_steps=-3: must be >= 0"),
+    (["model.objective=gan"], "model.objective='gan': use one of ['electra', 'mlm']"),
+    (["model.init_from_hf=somewhere", "model.overrides={num_hidden_layers: 2}"],
+     "model.overrides ['num_hidden_layers'] cannot change a published model"),
+    (["deepspeed.config=ds_configs/nope.json"], "deepspeed.config='ds_configs/nope.json': file not found"),
+    (["model.overrides={conv_kernel_size: 4}"], "ModelConfig.conv_kernel_size=4"),
+    (["train.precision=fp16"], "fp16 needs a GPU"),
+    (["model.tie_generator_body=true", "model.objective=mlm"], "model.tie_generator_body=true ties the ELECTRA"),
+    (["model.tie_generator_body=true", "model.generator_multiplier=0.5"], "use generator_multiplier 1.0"),
+    (["model.tie_generator_body=true", "pipeline.stages=2", "deepspeed.config=ds_configs/pipeline_zero1_bf16.json"],
+     "not supported with pipeline.stages > 1"),
+])
+def test_invalid_configs_are_rejected_before_any_rank_starts(overrides, message, tiny_corpus):
+    with pytest.raises((ConfigError, ValueError), match=__import__("re").escape(message)):
+        cfg = load_config(TINY_CONFIG, [f"data.sets=[{{path: '{tiny_corpus['shards']}'}}]", *overrides])
+        resolve(cfg, world_size=2)
+
+
+def test_check_print_and_help_modes_start_nothing(tiny_corpus, tmp_path):
+    """--check-config (what the Slurm scripts run), --print-config and --help, from the one typed config."""
+    def train_cli(*args):
+        return subprocess.run([sys.executable, "-m", "convbert_ds.train", "--config", str(TINY_CONFIG),
+                               f"data.sets=[{{path: '{tiny_corpus['shards']}'}}]", f"checkpoint.dir={tmp_path}/ck",
+                               *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+
+    ok = train_cli("--check-config", "--world-size", "2")
+    assert ok.returncode == 0 and f"checkpoint_dir={tmp_path}/ck" in ok.stdout and "grad_accum=1" in ok.stdout
+    bad = train_cli("--check-config", "--world-size", "3")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("config error (3 processes): train.global_batch_size")
+    printed = train_cli("--print-config", "--world-size", "1").stdout
+    resolved = json.loads(printed[("\n" + printed).index("\n{"):])  # DeepSpeed may log a line to stdout first
+    assert resolved["deepspeed"]["train_batch_size"] == resolved["config"]["train"]["global_batch_size"]
+    assert resolved["gradient_accumulation_steps"] == 2 and resolved["electra"]["discriminator"]["vocab_size"] > 0
+    assert not (tmp_path / "ck").exists()
+    usage = train_cli("--help").stdout
+    assert "train.warmup_steps (int, >= 0) = 10000" in usage and "linear warm-up steps" in usage
+
+
+def test_missing_shards_is_one_clear_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "convbert_ds.train", "--config", str(TINY_CONFIG),
+                             f"data.sets=[{{path: '{tmp_path / 'nowhere'}'}}]"],
+                            cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "manifest.json not found" in result.stderr
+
+
+def test_continue_pretraining_from_a_transformers_model(tiny_corpus, tmp_path):
+    """model.init_from_hf: a transformers ConvBERT body (converted with --from-hf) seeds the discriminator."""
+    import torch
+    import transformers
+
+    from convbert_ds.config import preset
+    from convbert_ds.convert import convert_from_hf
+    from convbert_ds.data.shards import open_split
+
+    vocab = open_split(tiny_corpus["shards"], "train").vocab_size
+    body = preset("tiny", vocab_size=vocab, max_position_embeddings=128)
+    torch.manual_seed(3)
+    published = transformers.ConvBertModel(transformers.ConvBertConfig(**body.to_hf_dict(["ConvBertModel"])))
+    published.save_pretrained(tmp_path / "published")
+    convert_from_hf(tmp_path / "published", tmp_path / "init", tokenizer=tiny_corpus["tokenizer"])
+    output = check(run_training(tmp_path / "run", tiny_corpus["shards"], f"model.init_from_hf={tmp_path / 'init'}",
+                                "train.steps=2", "eval.interval=0", "train.lr=0"))
+    assert "initialised from" in output
+    from convbert_ds.convert import open_checkpoint, read_state_dict
+
+    weights, _ = read_state_dict(open_checkpoint(tmp_path / "run" / "checkpoints"))
+    name = "encoder.layer.1.attention.self.conv_kernel_layer.weight"
+    assert torch.equal(weights[f"discriminator.convbert.{name}"], published.state_dict()[name])

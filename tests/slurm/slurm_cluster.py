@@ -1,0 +1,297 @@
+"""A real one-node Slurm cluster on loopback, private to one test session.
+
+``slurmctld`` and ``slurmd`` (Debian's ``slurm-wlm``, installed with apt when missing) run in
+the foreground as children of this process, with their config, state, spool and logs under one
+directory and ports nobody else uses. No systemd and no munge: ``auth/none``, ``cred/none``,
+``proctrack/linuxproc``, ``task/none``. Clients find the cluster through ``SLURM_CONF``, which
+jobs inherit, so ``srun``/``scontrol`` inside a job talk to the same cluster.
+
+Stopping cancels every job, waits for the queue to drain, stops both daemons, and finally
+kills, by pid, any process still carrying this cluster's marker variable in its environment
+(a job step or ``slurmstepd`` that outlived its daemon).
+
+Run it by hand to experiment: ``python tests/slurm/slurm_cluster.py`` starts a cluster and prints the
+``SLURM_CONF`` to export; Ctrl-C stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+MARKER = "CONVBERT_DS_TEST_SLURM"
+DAEMONS = ("slurmctld", "slurmd")
+SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
+
+
+class SlurmUnavailable(RuntimeError):
+    """Slurm is not installed and cannot be installed here (not root, or no apt-get)."""
+
+
+def find_daemon(name: str) -> str | None:
+    path = os.pathsep.join([os.environ.get("PATH", ""), *SBIN_DIRS])
+    return shutil.which(name, path=path)
+
+
+def ensure_slurm_installed() -> None:
+    """Install Debian's ``slurm-wlm`` if the daemons are missing (as CI does on a fresh machine)."""
+    if all(find_daemon(d) for d in DAEMONS) and shutil.which("sbatch"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise SlurmUnavailable("slurmctld/slurmd not found and cannot apt-get install slurm-wlm here "
+                               "(needs root and apt)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "slurm-wlm"]):
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    if not all(find_daemon(d) for d in DAEMONS):
+        raise RuntimeError("slurm-wlm installed but slurmctld/slurmd still not found")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class SlurmCluster:
+    """``with SlurmCluster(root) as cluster:`` one node (this host, 2 CPUs) in partition ``ci``."""
+
+    def __init__(self, root: Path, cpus: int = 2, gpus: int = 2):
+        self.root = Path(root)
+        self.cpus, self.gpus = cpus, gpus
+        self.node = socket.gethostname().split(".")[0]
+        self.conf = self.root / "slurm.conf"
+        self.log_dir = self.root / "log"
+        self.processes: dict[str, subprocess.Popen] = {}
+        # Jobs derive their rendezvous port from the job id (20000 + id % 20000): a random first
+        # id keeps two test sessions on one machine off each other's ports.
+        self.first_job_id = random.randrange(1000, 19000)
+
+    # Configuration -----------------------------------------------------------------
+    def write_config(self) -> None:
+        for sub in ("state", "spool", "log"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        ctld_port, slurmd_port = _free_ports(2)
+        r = self.root
+        # Stand-in GPUs: Slurm schedules and reports them (SLURM_GPUS_ON_NODE), which is what the
+        # job scripts' tasks-vs-GPUs check reads; torch still sees no CUDA device.
+        gres = f"Gres=gpu:{self.gpus} " if self.gpus else ""
+        self.conf.write_text(f"""\
+ClusterName=convbertci
+SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/none
+CredType=cred/none
+# cred_expire is also how long a requeued job waits before it may start again (default 120 s;
+# 5 is the least Slurm takes); the short scheduler intervals start it as soon as it may.
+AuthInfo=cred_expire=5
+SchedulerParameters=sched_interval=1,bf_interval=1
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+# The node has the configured CPUs whatever the machine has.
+SlurmdParameters=config_overrides
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+MailProg=/bin/true
+ReturnToService=2
+FirstJobId={self.first_job_id}
+MinJobAge=600
+KillWait=10
+InactiveLimit=0
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+GresTypes=gpu
+NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} {gres}State=UNKNOWN
+PartitionName=ci Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+""")
+        (self.root / "gres.conf").write_text(self._fake_gpus())
+
+    def _fake_gpus(self) -> str:
+        """gres.conf lines for ``self.gpus`` stand-in GPU device files (Slurm drops file-less GPUs)."""
+        if not self.gpus:
+            return ""
+        dev = self.root / "dev"
+        dev.mkdir(exist_ok=True)
+        for i in range(self.gpus):
+            path = dev / f"fakegpu{i}"
+            if not path.exists():
+                try:  # a character device like /dev/null keeps slurmd quiet; a plain file also works
+                    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+                except OSError:
+                    path.touch()
+        return f"NodeName={self.node} Name=gpu File={dev}/fakegpu[0-{self.gpus - 1}]\n"
+
+    # Environment for clients and jobs ------------------------------------------------
+    def env(self, base: dict | None = None) -> dict:
+        env = dict(os.environ if base is None else base)
+        # A job submitted from inside another job (or a shell with SLURM_* set) must not
+        # inherit that job's identity.
+        for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))]:
+            del env[key]
+        sbin = os.pathsep.join(d for d in SBIN_DIRS if os.path.isdir(d))
+        env.update({"SLURM_CONF": str(self.conf), MARKER: str(self.root),
+                    "PATH": f"{env.get('PATH', '')}{os.pathsep}{sbin}"})
+        return env
+
+    def run(self, *command: str, timeout: float = 60, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+        env = self.env(kwargs.pop("env", None))
+        result = subprocess.run(list(command), env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+        if check and result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+                               f"\n{self.daemon_logs()}")
+        return result
+
+    # Lifecycle -----------------------------------------------------------------------
+    def start(self, timeout: float = 60) -> "SlurmCluster":
+        ensure_slurm_installed()
+        self.write_config()
+        env = self.env()
+        for name, args in (("slurmctld", ["-D", "-i", "-f", str(self.conf)]),
+                           ("slurmd", ["-D", "-f", str(self.conf), "-N", self.node])):
+            log = open(self.log_dir / f"{name}.stderr", "w")
+            self.processes[name] = subprocess.Popen([find_daemon(name), *args], env=env, stdout=log,
+                                                    stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
+            if name == "slurmctld":
+                self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, timeout,
+                           "slurmctld did not answer scontrol ping")
+        self._wait(self._node_idle, timeout, f"node {self.node} did not become idle")
+        return self
+
+    def _node_idle(self) -> bool:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}\n{self.daemon_logs()}")
+        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
+        return out == "idle"
+
+    def _wait(self, condition, timeout: float, message: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"{message} within {timeout:.0f} s\n{self.daemon_logs()}")
+
+    def stop(self) -> None:
+        if not self.processes:
+            return
+        if self.processes["slurmctld"].poll() is None:
+            self.run("scancel", "--full", "--user", str(os.geteuid()), check=False)
+            try:  # squeue lists pending, running and completing jobs by default
+                self._wait(lambda: not self.run("squeue", "-h", "-o", "%i", check=False).stdout.strip(), 30,
+                           "jobs did not drain")
+            except RuntimeError:
+                pass
+        for name in reversed(DAEMONS):
+            process = self.processes.pop(name, None)
+            if process is None or process.poll() is not None:
+                continue
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self._kill_leftovers()
+
+    def _kill_leftovers(self) -> None:
+        """Kill (by pid) processes that carry this cluster's marker: orphaned steps or slurmstepd."""
+        tag = f"{MARKER}={self.root}".encode()
+        for _ in range(2):
+            found = []
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                    continue
+                try:
+                    if tag in (entry / "environ").read_bytes().split(b"\0"):
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+            if not found:
+                return
+            for pid in found:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+
+    def __enter__(self) -> "SlurmCluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # Jobs ------------------------------------------------------------------------------
+    def job(self, job_id: str) -> dict:
+        """``scontrol show job`` as a dict (JobState, ExitCode, Restarts, ...)."""
+        out = self.run("scontrol", "show", "job", "-o", str(job_id)).stdout.strip()
+        fields = {}
+        for token in out.split():
+            key, _, value = token.partition("=")
+            fields.setdefault(key, value)
+        return fields
+
+    def wait_job(self, job_id: str, timeout: float = 300, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                                                  "NODE_FAIL", "OUT_OF_MEMORY")) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout:.0f} s\n"
+                           f"{self.daemon_logs()}")
+
+    def daemon_logs(self, tail: int = 40) -> str:
+        parts = []
+        for path in sorted(self.log_dir.glob("*")):
+            lines = path.read_text(errors="replace").splitlines()[-tail:]
+            parts.append(f"--- {path.name} (last {len(lines)} lines)\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="slurm-") as tmp, SlurmCluster(Path(tmp)) as cluster:
+        print(f"export SLURM_CONF={cluster.conf}    # Ctrl-C stops the cluster", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass

@@ -7,6 +7,7 @@ Every CLI (training, conversion, fine-tuning, preprocessing) catches ``UserError
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 
@@ -24,3 +25,22 @@ def exit_on_user_error(main: Callable[[], int | None], prefix: str = "error") ->
     except UserError as error:
         print(f"{prefix}: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's line breaks; every option's help shows its default, unless it is required
+    or its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        said = action.required or "default" in (action.help or "")
+        return action.help if said else super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every CLI's parser: a bad option is a ``UserError`` (one line, exit 2, not usage + message)."""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog}: {message}")

@@ -19,6 +19,7 @@ without starting anything. The loop itself is ``convbert_ds.engine.trainer``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,14 +33,14 @@ from convbert_ds.engine import distributed
 from convbert_ds.engine.plan import RunPlan, build_ds_config, resolve
 from convbert_ds.engine.train_config import describe_keys, load_config
 from convbert_ds.engine.trainer import EXIT_PREEMPTED, Preemption, Trainer, TrainingError
-from convbert_ds.errors import EXIT_USER_ERROR, UserError
+from convbert_ds.errors import EXIT_USER_ERROR, ArgumentParser, UserError
 
 __all__ = ["EXIT_PREEMPTED", "Preemption", "RunPlan", "Trainer", "TrainingError", "build_ds_config", "main"]
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = ArgumentParser(
+        prog="python -m convbert_ds.train", description=__doc__.split("\n\n")[0],
         epilog="config keys (set them in CONFIG or as key=value):\n" + "\n".join(describe_keys()))
     parser.add_argument("--config", help="YAML/JSON training config (default: every key at its default)")
     parser.add_argument("--check-config", action="store_true",
@@ -53,23 +54,23 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     preemption = Preemption()  # first, so a signal during start-up is remembered, not fatal
     # DeepSpeed calls torch.distributed APIs that torch marks deprecated, once per step.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    launcher = distributed.discover()
-    world_size = args.world_size or distributed.world_size()
+    launcher, where = distributed.discover(), ""
     try:
+        args = parse_args(argv)
+        world_size = args.world_size or distributed.world_size()
+        where = f" ({world_size} processes)" if args.check_config else ""
         plan = resolve(load_config(args.config, args.overrides), world_size)
     except UserError as error:
         # Before any process group: every rank prints the same one line, rank 0 is enough.
         if distributed.rank() == 0:
-            where = f" ({world_size} processes)" if args.check_config else ""
             print(f"config error{where}: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     cfg = plan.cfg
     if args.print_config:
-        print(json.dumps(plan.to_dict(), indent=2, default=str))
+        print(json.dumps(dataclasses.asdict(plan), indent=2, default=str))
     if args.check_config:
         print(f"config valid for {world_size} processes: precision={plan.precision} zero_stage={plan.zero_stage} "
               f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum}\ncheckpoint_dir={cfg.checkpoint.dir}")

@@ -67,13 +67,6 @@ class RunPlan:
     def zero_stage(self) -> int:
         return self.ds_config.get("zero_optimization", {}).get("stage", 0)
 
-    def to_dict(self) -> dict:
-        """Everything resolved, as ``--print-config`` shows it."""
-        return {"config": self.cfg.to_dict(), "world_size": self.world_size, "precision": self.precision,
-                "gradient_accumulation_steps": self.grad_accum, "deepspeed": self.ds_config,
-                "electra": self.electra.to_dict(), "tokenizer": self.tokenizer,
-                "data_sets": [{"path": str(p), "weight": w} for p, w in self.sets], "has_valid": self.has_valid}
-
 
 def resolve_ds_path(value: str) -> Path:
     """DeepSpeed config paths are relative to the working directory, else to this repository."""

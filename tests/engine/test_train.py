@@ -137,8 +137,8 @@ def test_check_print_and_help_modes_start_nothing(tiny_corpus, tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().startswith("config error (3 processes): train.global_batch_size")
     printed = train_cli("--print-config", "--world-size", "1").stdout
     resolved = json.loads(printed[("\n" + printed).index("\n{"):])  # DeepSpeed may log a line to stdout first
-    assert resolved["deepspeed"]["train_batch_size"] == resolved["config"]["train"]["global_batch_size"]
-    assert resolved["gradient_accumulation_steps"] == 2 and resolved["electra"]["discriminator"]["vocab_size"] > 0
+    assert resolved["ds_config"]["train_batch_size"] == resolved["cfg"]["train"]["global_batch_size"]
+    assert resolved["grad_accum"] == 2 and resolved["electra"]["discriminator"]["vocab_size"] > 0
     assert not (tmp_path / "ck").exists()
     usage = train_cli("--help").stdout
     assert "train.warmup_steps (int, >= 0) = 10000" in usage and "linear warm-up steps" in usage

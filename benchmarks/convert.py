@@ -57,13 +57,14 @@ def write_checkpoint_rank(checkpoint_dir: Path, tokenizer_dir: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from convbert_ds.engine.distributed import init_process_group
     from convbert_ds.engine import checkpoint
     from convbert_ds.config import ElectraConfig
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.optim import param_groups
     from preprocessing.tokenizer import load_tokenizer
 
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    init_process_group("gloo")
     torch.manual_seed(0)
     electra = ElectraConfig.from_preset("base")
     model = ElectraForPretraining(electra)

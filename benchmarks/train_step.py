@@ -58,13 +58,14 @@ def main() -> None:
 
     from convbert_ds.config import ElectraConfig
     from convbert_ds.data.loader import build_dataloader
+    from convbert_ds.engine.distributed import init_process_group
     from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.optim import param_groups
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    init_process_group()
     with tempfile.TemporaryDirectory() as tmp:
         shards = build_shards(Path(tmp), args.vocab_size)
         config = ElectraConfig.from_preset(args.preset, vocab_size=args.vocab_size, max_position_embeddings=512)

@@ -25,7 +25,6 @@ import os
 import sys
 import warnings
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -77,11 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config or args.check_config:
         return 0
     trainer = Trainer(plan)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         # A task bound to one GPU (--gpus-per-task) sees only that one.
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    backend = distributed.init_process_group()
     if dist.get_rank() == 0:
         print(f"launcher={launcher} world_size={dist.get_world_size()} backend={backend} "
               f"precision={plan.precision} zero_stage={plan.zero_stage} "

@@ -5,13 +5,20 @@
   SLURM_LOCALID; the master is the first host of the job's node list.
 - ``mpirun -np N python -m convbert_ds.train``: asked of MPI through mpi4py.
 - nothing: a single process.
+
+``init_process_group`` then starts DeepSpeed's process group the one way every entry point uses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
+
+import deepspeed
+import torch
+import torch.distributed as dist
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -96,3 +103,21 @@ def world_size() -> int:
 
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def init_process_group(backend: str | None = None) -> str:
+    """``deepspeed.init_distributed`` (default: NCCL on GPUs, gloo on CPU) that leaves nothing behind in /dev/shm.
+
+    On CPU ranks of one host, DeepSpeed's shared-memory all-reduce creates a 67 MB /dev/shm file per
+    rank (named after MASTER_ADDR/PORT and the rank) and never unlinks it: each run leaked them, in RAM,
+    until /dev/shm filled memory and the OOM killer stopped later runs. Once every rank has mapped every
+    buffer (init_distributed returns only then) the names are not needed: each rank unlinks its own.
+    """
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    dist.barrier()
+    name = "_".join(["deepspeed_allreduce_buffer", str(os.getuid()), os.environ.get("MASTER_ADDR", ""),
+                     os.environ.get("MASTER_PORT", ""), str(dist.get_rank())])
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join("/dev/shm", name))
+    return backend

@@ -21,6 +21,7 @@ from deepspeed import comm as dist
 from convbert_ds.config import ElectraConfig
 from convbert_ds.data.builtin_corpus import iter_documents
 from convbert_ds.model import ElectraForPretraining
+from convbert_ds.engine.distributed import init_process_group
 from convbert_ds.engine.pipeline import (
     build_pipeline_module,
     check_pipeline_ds_config,
@@ -192,7 +193,7 @@ def train_run(steps: int, micro_batches: int, bf16: bool) -> list[dict]:
 
 def main() -> None:
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_process_group()
     rank = dist.get_rank()
     if scenario == "parity":
         result = {

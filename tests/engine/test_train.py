@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,7 @@ def _falls(rows, key="loss", window=3, margin=1.0) -> bool:
 def test_zero_stages_train_with_falling_loss(ds_config, precision, tiny_corpus, tmp_path):
     if ds_config == "zero3_offload_bf16" and precision == "fp32":
         pytest.skip("one offload run is enough")
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     output = check(run_training(tmp_path, tiny_corpus["shards"], f"deepspeed.config=ds_configs/{ds_config}.json",
                                 f"train.precision={precision}", "train.steps=16", "train.warmup_steps=4",
                                 "eval.interval=0", "checkpoint.interval=100"))
@@ -36,6 +38,8 @@ def test_zero_stages_train_with_falling_loss(ds_config, precision, tiny_corpus, 
     assert [r["step"] for r in rows] == list(range(1, 17))
     assert _falls(rows), [round(r["loss"], 3) for r in rows]
     assert (tmp_path / "checkpoints" / "step00000016" / "COMPLETE").is_file()
+    # DeepSpeed's CPU all-reduce buffers (67 MB of RAM per rank) are unlinked, not left in /dev/shm.
+    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
 
 
 def test_pipeline_two_stages_zero1_trains(tiny_corpus, tmp_path):

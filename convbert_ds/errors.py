@@ -40,6 +40,9 @@ class ArgumentParser(argparse.ArgumentParser):
     """Every CLI's parser: a bad option is a ``UserError`` (one line, exit 2, not usage + message)."""
 
     def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        if spec is not None:  # started as ``python -m MODULE``: say so in usage and errors, not "__main__.py"
+            kwargs.setdefault("prog", f"python -m {spec.name.removesuffix('.__main__')}")
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):

@@ -8,12 +8,11 @@ LOG_DIR holds the ``metrics.jsonl`` the trainer writes (``log.dir``, by default
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from convbert_ds.errors import UserError, exit_on_user_error
+from convbert_ds.errors import ArgumentParser, UserError, exit_on_user_error
 
 PANELS = (("loss", "total loss"), ("mlm_loss", "generator MLM loss"), ("rtd_loss", "discriminator RTD loss"),
           ("rtd_accuracy", "RTD accuracy"))
@@ -67,14 +66,13 @@ def _plot_downstream(ax, rows: list[dict]) -> None:
     ax.legend()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log_dir", type=Path, help="the run's log.dir (it holds metrics.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="PNG path (None: LOG_DIR/curves.png)")
     args = parser.parse_args(argv)
-    return exit_on_user_error(lambda: print(f"wrote {plot(args.log_dir, args.out or args.log_dir / 'curves.png')}"))
+    print(f"wrote {plot(args.log_dir, args.out or args.log_dir / 'curves.png')}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_user_error(main))

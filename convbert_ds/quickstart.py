@@ -18,7 +18,6 @@ training from the last checkpoint; fine-tuning is redone.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,6 +26,7 @@ import sys
 from pathlib import Path
 
 from convbert_ds.data.transfer_task import write_pretraining_corpus, write_transfer_task
+from convbert_ds.errors import ArgumentParser, exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "quickstart.yaml"
@@ -103,8 +103,7 @@ def report(pretrained: list[float], random: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default=None, help="where everything is written (None: runs/quickstart, "
                                                          "or runs/quickstart-smoke with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="every step on a small budget, in under 15 minutes")
@@ -140,4 +139,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from preprocessing.errors import PreprocessingError
 from preprocessing.sources import iter_chunks, plan_slice, record_text
@@ -95,13 +96,10 @@ class ParsedChunk:
         kept = []
         for raw in text_lines.split("\n") if isinstance(text_lines, str) else text_lines or ():
             s = raw.strip()
-            if not s:
-                continue
             if len(s) > max_line_chars:
-                pieces = split_long_line(s, max_line_chars)
+                kept.extend(split_long_line(s, max_line_chars))
                 self.long_lines_split += 1
-                kept.extend(pieces)
-            else:
+            elif s:
                 kept.append(s)
         if kept:
             self.lines.extend(kept)
@@ -110,11 +108,7 @@ class ParsedChunk:
             self.empty_documents += 1
 
     def documents(self) -> list[list[str]]:
-        docs, start = [], 0
-        for n in self.doc_lines:
-            docs.append(self.lines[start:start + n])
-            start += n
-        return docs
+        return [self.lines[end - n:end] for n, end in zip(self.doc_lines, accumulate(self.doc_lines))]
 
 
 def parse_text(text: str, max_line_chars: int, out: ParsedChunk) -> None:
@@ -158,17 +152,12 @@ def parse_jsonl(text: str, data: bytes, text_field: str, max_line_chars: int, st
         out.add_document(value, max_line_chars)
 
 
-def parse_records(texts: list[str | None], max_line_chars: int, out: ParsedChunk) -> None:
-    """Records already read by ``datasets`` (Parquet, Arrow, JSON arrays): one document each."""
-    for value in texts:
-        out.add_document(value, max_line_chars)
-
-
 def parse_chunk(chunk, where: str, strict: bool, text_field: str, max_line_chars: int) -> ParsedChunk:
     """Decode and split a ``sources.Chunk`` into documents; ``where`` names its file in errors."""
     out = ParsedChunk()
-    if chunk.kind == "records":
-        parse_records(chunk.data, max_line_chars, out)
+    if chunk.kind == "records":  # already read by ``datasets`` (Parquet, Arrow, JSON arrays): one document each
+        for value in chunk.data:
+            out.add_document(value, max_line_chars)
         return out
     text, out.invalid_utf8_bytes = decode_utf8(chunk.data, strict, where, chunk.offset)
     if chunk.kind == "jsonl":
@@ -187,10 +176,9 @@ def iter_documents(sources: list, text_field: str = "text", strict: bool = False
     for chunk in iter_chunks(sources, plan_slice(sources, 0, 1), text_field):
         parsed = parse_chunk(chunk, sources[chunk.source].path, strict, text_field, max_line_chars)
         if stats is not None:
-            for key, value in (("documents", len(parsed.doc_lines)), ("lines", len(parsed.lines)),
-                               ("empty_documents", parsed.empty_documents),
-                               ("invalid_utf8_bytes", parsed.invalid_utf8_bytes),
-                               ("long_lines_split", parsed.long_lines_split),
-                               ("long_documents_split", int(chunk.forced_cut))):
+            counts = {"documents": len(parsed.doc_lines), "lines": len(parsed.lines),
+                      "empty_documents": parsed.empty_documents, "invalid_utf8_bytes": parsed.invalid_utf8_bytes,
+                      "long_lines_split": parsed.long_lines_split, "long_documents_split": int(chunk.forced_cut)}
+            for key, value in counts.items():
                 stats[key] = stats.get(key, 0) + value
         yield from parsed.documents()

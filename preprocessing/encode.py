@@ -33,9 +33,8 @@ class LineEncoder:
     """
 
     def __init__(self, spec: tuple[str, bytes | str], single_thread: bool = True):
-        kind, payload = spec
-        self.kind = kind
-        if kind == "sentencepiece":
+        self.kind, payload = spec
+        if self.kind == "sentencepiece":
             import sentencepiece  # workers load only their tokenizer kind
 
             self._sp = sentencepiece.SentencePieceProcessor(model_proto=payload)
@@ -137,11 +136,7 @@ def document_in_valid(parsed: ParsedChunk, valid_fraction: float, split_seed: in
         return np.zeros(n_docs, bool)
     if valid_fraction >= 1:
         return np.ones(n_docs, bool)
-    crc32 = zlib.crc32
-    lines, crcs, start = parsed.lines, [], 0
-    for n in parsed.doc_lines:
-        crcs.append(crc32("\n".join(lines[start:start + n]).encode("utf-8")))
-        start += n
+    crcs = [zlib.crc32("\n".join(doc).encode("utf-8")) for doc in parsed.documents()]
     seed = np.uint64((split_seed * 0x9E3779B97F4A7C15) % 2**64)
     with np.errstate(over="ignore"):
         values = _mix64(np.asarray(crcs, dtype=np.uint64) ^ seed)
@@ -202,8 +197,7 @@ def _die_with_parent(parent_pid: int) -> None:
     try:
         import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
     if os.getppid() != parent_pid:  # the parent died before prctl took effect

@@ -1,9 +1,7 @@
-"""The error type of preprocessing, and what its CLIs share: the wrapper that turns any user error into
-one line, and the help formatter."""
+"""The error type of preprocessing, and its CLIs' wrapper that turns any user error into one line."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 
@@ -21,10 +19,3 @@ def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None =
     except KeyboardInterrupt:
         print("interrupted (rerun the same command to resume)", file=sys.stderr)
         return 130
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help shows its default, except a required option's (it has none)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.required else super()._get_help_string(action)

@@ -45,7 +45,6 @@ class ShardWriter:
         self.dtype = np.dtype(dtype)
         self.paths = {ext: Path(f"{prefix}.{ext}.tmp") for ext in ("bin", "lens", "docs")}
         self.documents = self.sequences = self.tokens = 0
-        mode = "wb"
         if resume is not None:
             self.documents, self.sequences, self.tokens = resume["documents"], resume["sequences"], resume["tokens"]
             sizes = {"bin": self.tokens * self.dtype.itemsize, "lens": self.sequences * 4, "docs": self.documents * 8}
@@ -53,8 +52,7 @@ class ShardWriter:
                 if not self.paths[ext].is_file() or self.paths[ext].stat().st_size < size:
                     raise FileNotFoundError(f"{self.paths[ext]} is missing or shorter than its checkpoint")
                 os.truncate(self.paths[ext], size)
-            mode = "ab"
-        self._files = {ext: open(path, mode) for ext, path in self.paths.items()}
+        self._files = {ext: open(path, "wb" if resume is None else "ab") for ext, path in self.paths.items()}
 
     def add(self, tokens: np.ndarray, sequence_lengths: np.ndarray, document_sequences: np.ndarray) -> None:
         """Append whole documents: flat tokens, their sequence lengths, sequences per document."""
@@ -115,10 +113,7 @@ def _write_index(path: Path, dtype: np.dtype, lens_path: Path, docs_path: Path, 
             h.update(data)
 
         write(INDEX_HEADER)
-        write(struct.pack("<Q", INDEX_VERSION))
-        write(struct.pack("<B", DTYPE_CODES[dtype.name]))
-        write(struct.pack("<Q", sequences))
-        write(struct.pack("<Q", documents + 1))
+        write(struct.pack("<QBQQ", INDEX_VERSION, DTYPE_CODES[dtype.name], sequences, documents + 1))
         with open(lens_path, "rb") as f:
             while block := f.read(_BLOCK * 4):
                 write(block)

@@ -9,15 +9,15 @@ names one.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 
+from convbert_ds.errors import ArgumentParser
 from convbert_ds.formats.shard_manifest import MANIFEST, read_manifest
-from preprocessing.errors import HelpFormatter, PreprocessingError, run_cli
+from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.shard import summary_table
 from preprocessing.tokenizer import load_tokenizer
 
@@ -108,8 +108,7 @@ def _tokenizer(directory: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m preprocessing.inspect", description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="python -m preprocessing.inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", metavar="PREFIX_OR_DIR", help="a shard directory, or one shard's prefix/.bin/.idx")
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir for decoding; none: the manifest's")
     parser.add_argument("--documents", type=int, default=3, help="decoded documents to show per split")

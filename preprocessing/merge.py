@@ -13,17 +13,17 @@ written last. A non-empty ``SHARD_DIR`` is refused unless ``--force`` is given.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
 import sys
 from pathlib import Path
 
+from convbert_ds.errors import ArgumentParser
 from convbert_ds.formats.shard_manifest import read_manifest, shard_prefix, split_entry, write_manifest
 from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty
 from preprocessing.encode import SPLITS
-from preprocessing.errors import HelpFormatter, PreprocessingError, run_cli
+from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.shard import REPAIRED, SKIPPED, clear_output, summary_table
 
 
@@ -73,9 +73,8 @@ def merge_slices(slice_dirs: list[str], out: str | os.PathLike, copy: bool = Fal
                 shards.append({**shard, "prefix": prefix})
         splits[split] = split_entry(shards)
 
-    sources = [dict(s) for s in base["sources"]]
-    for i, source in enumerate(sources):
-        source["documents"] = sum(m["sources"][i]["documents"] for _, m in manifests)
+    sources = [{**s, "documents": sum(m["sources"][i]["documents"] for _, m in manifests)}
+               for i, s in enumerate(base["sources"])]
     skipped = {k: sum(m["skipped"][k] for _, m in manifests) for k in SKIPPED}
     skipped["blank_files"] = sum(1 for s in sources if s["documents"] == 0)
     manifest = {
@@ -105,8 +104,7 @@ def _place(src: Path, dst: Path, copy: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m preprocessing.merge", description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="python -m preprocessing.merge", description=__doc__.split("\n\n")[0])
     parser.add_argument("slice_dirs", nargs="+", metavar="SLICE_DIR", help="the N shard --slice i/N directories")
     parser.add_argument("--out", required=True, help="shard directory to create")
     parser.add_argument("--copy", action="store_true", help="copy shards instead of hard-linking them")

@@ -26,7 +26,6 @@ joins the slice directories into one.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import fcntl
 import hashlib
@@ -42,13 +41,14 @@ from pathlib import Path
 
 import numpy as np
 
+from convbert_ds.errors import ArgumentParser
 from convbert_ds.formats.shard_manifest import (
     MANIFEST, PROGRESS, SHARD_FILES, ShardManifestError, check_shard_file, read_manifest, shard_prefix, split_entry,
     write_manifest)
 from convbert_ds.fsutil import FORCE_FLAG, write_json_atomically
 from preprocessing.documents import MAX_LINE_CHARS
 from preprocessing.encode import SPLITS, EncodeOptions, EncoderPool
-from preprocessing.errors import HelpFormatter, PreprocessingError, run_cli
+from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.indexed import ShardWriter, commit_shard
 from preprocessing.sources import Source, iter_chunks, parse_slice, plan_slice, range_bytes, resolve_inputs
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
@@ -97,8 +97,6 @@ class _SplitWriter:
         """
         docs = part.document_sequences
         n = len(docs)
-        if skip >= n:
-            return
         seq_starts = np.concatenate(([0], np.cumsum(docs)))
         tok_starts = np.concatenate(([0], np.cumsum(part.document_tokens)))
         d = skip
@@ -107,11 +105,9 @@ class _SplitWriter:
                 self.writer = ShardWriter(self._path(self.next_index), self.dtype)
             room = self.shard_tokens - self.writer.tokens
             # Take documents until the shard reaches shard_tokens (the last one may overshoot).
-            end = int(np.searchsorted(tok_starts[d + 1:], tok_starts[d] + room, side="left")) + d + 1
-            end = min(end, n)
-            s0, s1 = seq_starts[d], seq_starts[end]
-            self.writer.add(part.tokens[tok_starts[d]:tok_starts[end]], part.sequence_lengths[s0:s1],
-                            docs[d:end])
+            end = min(int(np.searchsorted(tok_starts[d + 1:], tok_starts[d] + room, side="left")) + d + 1, n)
+            self.writer.add(part.tokens[tok_starts[d]:tok_starts[end]],
+                            part.sequence_lengths[seq_starts[d]:seq_starts[end]], docs[d:end])
             done[self.name] = end
             d = end
             if self.writer.tokens >= self.shard_tokens:
@@ -121,13 +117,12 @@ class _SplitWriter:
         """Finish the open shard (write its index); it is committed after the next checkpoint."""
         if self.writer is None:
             return None
-        if self.writer.documents == 0:
-            self.writer.discard()
-            self.writer = None
+        writer, self.writer = self.writer, None
+        if writer.documents == 0:
+            writer.discard()
             return None
-        record = {"prefix": shard_prefix(self.name, self.next_index), **self.writer.finish()}
+        record = {"prefix": shard_prefix(self.name, self.next_index), **writer.finish()}
         self.finished.append(record)
-        self.writer = None
         self.next_index += 1
         return record
 
@@ -182,12 +177,6 @@ def _check_output_dir(root: Path) -> None:
 # the run
 
 
-def _fingerprint(tok: Tokenizer, sources: list[Source], settings: dict) -> dict:
-    return {"tokenizer": tok.sha256,
-            "sources": [[s.path, s.format, s.compression, s.size, s.mtime_ns] for s in sources],
-            "settings": settings}
-
-
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
@@ -220,16 +209,17 @@ def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, work
                 "strict": strict, "text_field": text_field, "block_bytes": block_bytes,
                 "max_line_chars": max_line_chars, "max_document_bytes": max_document_bytes,
                 "slice": None if slice_count == 1 else {"index": slice_index, "count": slice_count}}
-    fingerprint = _fingerprint(tok, sources, settings)
+    fingerprint = {"tokenizer": tok.sha256,
+                   "sources": [[s.path, s.format, s.compression, s.size, s.mtime_ns] for s in sources],
+                   "settings": settings}
 
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
-    lock = open(root / ".lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise PreprocessingError(f"another process is writing to {root}") from None
-    try:
+    with open(root / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PreprocessingError(f"another process is writing to {root}") from None
         _check_output_dir(root)
         saved = None
         if overwrite:
@@ -258,8 +248,6 @@ def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, work
         if report:
             report(summary_table(manifest, time.perf_counter() - started, run.processed))
         return manifest
-    finally:
-        lock.close()
 
 
 class _Run:
@@ -278,7 +266,7 @@ class _Run:
                     _restore_finished(root, record)
                     keep.update(f"{record['prefix']}.{ext}" for ext in ("bin", "idx"))
                 if saved["splits"][split]["open"]:
-                    prefix = f"{split}/shard-{saved['splits'][split]['next_index']:05d}"
+                    prefix = shard_prefix(split, saved["splits"][split]["next_index"])
                     keep.update(f"{prefix}.{ext}.tmp" for ext in ("bin", "lens", "docs"))
         _remove_stray_files(root, keep)
         self.splits = {s: _SplitWriter(root, s, tok.dtype, settings["shard_tokens"],
@@ -293,8 +281,6 @@ class _Run:
         self._uncommitted: list[str] = []
         self._stop_after = int(os.environ.get(_TEST_STOP_AFTER_UNITS) or 0)
 
-    # -- checkpoints -------------------------------------------------------
-
     def checkpoint(self) -> None:
         state = {"fingerprint": self.fingerprint, "chunk": self.chunk, "position": list(self.position),
                  "done_in_chunk": dict(self.done_in_chunk), "stats": self.stats,
@@ -307,13 +293,12 @@ class _Run:
         if self._stop_after and self.chunk >= self._stop_after:  # test-only, see _TEST_STOP_AFTER_UNITS
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _close_shard(self, split: _SplitWriter) -> None:
+    def _close_shard(self, split: _SplitWriter, checkpoint: bool = True) -> None:
         record = split.finish_open()
         if record:
             self._uncommitted.append(record["prefix"])
-            self.checkpoint()
-
-    # -- main loop ---------------------------------------------------------
+            if checkpoint:
+                self.checkpoint()
 
     def execute(self, workers: int, progress: bool) -> None:
         from tqdm import tqdm
@@ -324,21 +309,18 @@ class _Run:
                              self.settings["max_document_bytes"], start=(self.chunk, self.position))
         since_checkpoint = 0
         # The pool first: the progress bar starts a thread, and threads rule out fork.
-        with EncoderPool(workers, self.tok.worker_spec(), self.options) as submit:
-            bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, disable=not progress, desc="shard",
-                       dynamic_ncols=True, file=sys.stderr)
+        with (EncoderPool(workers, self.tok.worker_spec(), self.options) as submit,
+              tqdm(total=total, initial=done, unit="B", unit_scale=True, disable=not progress, desc="shard",
+                   dynamic_ncols=True, file=sys.stderr) as bar):
             start = time.perf_counter()
-            try:
-                pending: collections.deque = collections.deque()
-                window = 2 * max(workers, 1) + 2
-                for chunk in chunks:
-                    pending.append((chunk, submit(chunk)))
-                    while len(pending) >= window:
-                        since_checkpoint = self._apply(*pending.popleft(), since_checkpoint, bar, start)
-                while pending:
+            pending: collections.deque = collections.deque()
+            window = 2 * max(workers, 1) + 2
+            for chunk in chunks:
+                pending.append((chunk, submit(chunk)))
+                while len(pending) >= window:
                     since_checkpoint = self._apply(*pending.popleft(), since_checkpoint, bar, start)
-            finally:
-                bar.close()
+            while pending:
+                since_checkpoint = self._apply(*pending.popleft(), since_checkpoint, bar, start)
 
     def _apply(self, chunk, future, since_checkpoint: int, bar, start: float) -> int:
         try:
@@ -372,13 +354,10 @@ class _Run:
 
     def write_manifest(self) -> dict:
         for split in self.splits.values():
-            record = split.finish_open()
-            if record:
-                self._uncommitted.append(record["prefix"])
+            self._close_shard(split, checkpoint=False)
         self.checkpoint()
         whole = {r.source for r in self.ranges if r.start == 0 and r.end is None}
-        stats = dict(self.stats)
-        stats["blank_files"] = sum(1 for i in whole if self.source_documents[i] == 0)
+        stats = {**self.stats, "blank_files": sum(1 for i in whole if self.source_documents[i] == 0)}
         manifest = {
             "tokenizer": {"dir": str(self.tokenizer_arg), **self.tok.describe()},
             "dtype": self.tok.dtype,
@@ -394,10 +373,6 @@ class _Run:
         manifest = write_manifest(self.root, manifest)
         (self.root / PROGRESS).unlink(missing_ok=True)
         return manifest
-
-
-# ---------------------------------------------------------------------------
-# command line
 
 
 def summary_table(manifest: dict, seconds: float | None = None, processed: dict | None = None) -> str:
@@ -423,8 +398,7 @@ def summary_table(manifest: dict, seconds: float | None = None, processed: dict 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m preprocessing.shard", description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="python -m preprocessing.shard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", action="extend", required=True, metavar="GLOB",
                         help="text/JSONL/JSON/Parquet files, save_to_disk dirs, globs; .gz/.bz2/.xz/.zst ok")
     parser.add_argument("--tokenizer", required=True, help="tokenizer dir (preprocessing.tokenizer, or a HF one)")

@@ -20,6 +20,7 @@ each chunk carries the position needed to resume at the next one.
 from __future__ import annotations
 
 import bz2
+import contextlib
 import glob
 import gzip
 import io
@@ -29,7 +30,7 @@ import os
 import re
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import BinaryIO
 
 from preprocessing.errors import PreprocessingError
@@ -37,6 +38,8 @@ from preprocessing.errors import PreprocessingError
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 _COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd", ".zstd": "zstd"}
+_OPENERS = {"gzip": gzip.open, "bz2": bz2.open, "xz": lzma.open, None: open}
+_FORMAT_SUFFIXES = ((".jsonl", "jsonl"), (".ndjson", "jsonl"), (".json", "json"), (".parquet", "parquet"))
 _DATASETS_DIR_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 _WHITESPACE = b" \t\r\f\v\n"
@@ -63,41 +66,22 @@ class Source:
 
 def open_binary(source: Source) -> BinaryIO:
     """Open a text/JSON-lines source for reading decompressed bytes."""
-    if source.compression == "gzip":
-        return gzip.open(source.path, "rb")
-    if source.compression == "bz2":
-        return bz2.open(source.path, "rb")
-    if source.compression == "xz":
-        return lzma.open(source.path, "rb")
     if source.compression == "zstd":
         import zstandard  # optional: needed only for .zst inputs
 
         raw = open(source.path, "rb")
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
         return io.BufferedReader(reader, buffer_size=1 << 20)
-    return open(source.path, "rb")
+    return _OPENERS[source.compression](source.path, "rb")
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [OSError, EOFError, zlib.error, lzma.LZMAError, ValueError]
-    try:
+    with contextlib.suppress(ImportError):
         import zstandard  # optional: needed only for .zst inputs
 
         errors.append(zstandard.ZstdError)
-    except ImportError:
-        pass
     return tuple(errors)
-
-
-def _read_fully(f: BinaryIO, n: int) -> bytes:
-    parts, got = [], 0
-    while got < n:
-        data = f.read(n - got)
-        if not data:
-            break
-        parts.append(data)
-        got += len(data)
-    return b"".join(parts)
 
 
 # ---------------------------------------------------------------------------
@@ -110,13 +94,7 @@ def _format_of(path: str) -> tuple[str, str | None]:
     compression = _COMPRESSIONS.get(ext)
     if compression:
         name = stem
-    if name.endswith((".jsonl", ".ndjson")):
-        return "jsonl", compression
-    if name.endswith(".json"):
-        return "json", compression
-    if name.endswith(".parquet"):
-        return "parquet", compression
-    return "text", compression
+    return next((fmt for suffix, fmt in _FORMAT_SUFFIXES if name.endswith(suffix)), "text"), compression
 
 
 def _expand(pattern: str) -> list[str]:
@@ -143,11 +121,9 @@ def resolve_inputs(patterns: list[str], text_field: str = "text") -> list[Source
         if not matches:
             raise PreprocessingError(f"--input {pattern!r} matches no files")
         for path in matches:
-            key = os.path.realpath(path)
-            if key in seen:
-                continue
-            seen.add(key)
-            sources.append(_check_source(path, text_field))
+            if (key := os.path.realpath(path)) not in seen:
+                seen.add(key)
+                sources.append(_check_source(path, text_field))
     return sources
 
 
@@ -165,13 +141,12 @@ def _check_source(path: str, text_field: str) -> Source:
             raise PreprocessingError(f"{path}: compressed Parquet files are not supported (Parquet compresses itself)")
         source = Source(path, fmt, compression, st.st_size, st.st_mtime_ns)
         with open_binary(source) as f:
-            head = _read_fully(f, 1 << 16)
-        if fmt == "json":
-            fmt = "json" if head.lstrip()[:1] == b"[" else "jsonl"
-            source = Source(path, fmt, compression, st.st_size, st.st_mtime_ns)
-        if fmt == "jsonl":
+            head = f.read(1 << 16)  # buffered: short only at the end of the file
+        if fmt == "json" and head.lstrip()[:1] != b"[":
+            source = replace(source, format="jsonl")
+        if source.format == "jsonl":
             _check_jsonl(source, text_field)
-        elif fmt in ("json", "parquet"):
+        elif source.format in ("json", "parquet"):
             _check_with_datasets(source, text_field)
         return source
     except PreprocessingError:
@@ -250,15 +225,11 @@ def _arrow_datasets(source: Source) -> list:
 def _record_batches(source: Source, text_field: str, start: int, batch: int = 1024) -> Iterator[list]:
     """Text values of the records of a datasets-read source, from record ``start`` on."""
     if source.format == "arrow":
-        skip = start
         for ds in _arrow_datasets(source):
             ds = ds.select_columns([text_field])
-            if skip >= len(ds):
-                skip -= len(ds)
-                continue
-            for i in range(skip, len(ds), batch):
+            for i in range(start, len(ds), batch):
                 yield ds[i:i + batch][text_field]
-            skip = 0
+            start = max(start - len(ds), 0)
         return
     ds = _streaming_dataset(source).select_columns([text_field])
     if start:
@@ -393,10 +364,7 @@ def _byte_chunks(source: Source, rng: Range, kind: str, offset: int | None, bloc
             f.seek(offset)
         else:
             skipped = 0
-            while skipped < offset:
-                step = f.read(min(1 << 22, offset - skipped))
-                if not step:
-                    break
+            while skipped < offset and (step := f.read(min(1 << 22, offset - skipped))):
                 skipped += len(step)
         pos, buf, eof = offset, bytearray(), False
 
@@ -404,10 +372,8 @@ def _byte_chunks(source: Source, rng: Range, kind: str, offset: int | None, bloc
             nonlocal eof
             while len(buf) < n and not eof:
                 data = f.read(max(n - len(buf), 1 << 16))
-                if data:
-                    buf.extend(data)
-                else:
-                    eof = True
+                buf.extend(data)
+                eof = not data
 
         while end is None or pos < end:
             limit, forced = block_bytes, False
@@ -440,8 +406,7 @@ def _record_chunks(source: Source, text_field: str, offset: int | None,
                    block_bytes: int) -> Iterator[tuple[int, list, int | None]]:
     """(record offset, texts, next offset or None at the end) for a datasets-read source."""
     start = offset or 0
-    pending: list = []
-    size = 0
+    pending, size = [], 0
     for texts in _record_batches(source, text_field, start):
         for t in texts:
             pending.append(t)

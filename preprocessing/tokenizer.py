@@ -22,17 +22,18 @@ BERT WordPiece ``vocab.txt``; its special ids come from that tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
+import itertools
 import json
 import os
 import sys
 from pathlib import Path
 
+from convbert_ds.errors import ArgumentParser
 from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty, write_dir_atomically
 from preprocessing.documents import MAX_LINE_CHARS, iter_documents
-from preprocessing.errors import HelpFormatter, PreprocessingError, run_cli
+from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.sources import resolve_inputs
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
@@ -55,11 +56,6 @@ def tokenizer_sha256(directory: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def token_dtype(vocab_size: int) -> str:
-    """megatron-core's rule (DType.optimal_dtype): uint16 below 65500 ids, else int32."""
-    return "uint16" if vocab_size < 65500 else "int32"
-
-
 class Tokenizer:
     """A loaded tokenizer: ``encode`` adds no special tokens; ``special_ids`` has pad/unk/cls/sep/mask."""
 
@@ -72,9 +68,6 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
     def decode(self, ids) -> str:
         raise NotImplementedError
 
@@ -84,7 +77,8 @@ class Tokenizer:
 
     @property
     def dtype(self) -> str:
-        return token_dtype(self.vocab_size)
+        """megatron-core's rule (DType.optimal_dtype): uint16 below 65500 ids, else int32."""
+        return "uint16" if self.vocab_size < 65500 else "int32"
 
     def describe(self) -> dict:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "special_ids": dict(self.special_ids),
@@ -148,9 +142,7 @@ class HFTokenizer(Tokenizer):
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is None:
             raise PreprocessingError(f"{directory}: only fast (tokenizers-based) tokenizers are supported")
-        self.dir = directory
-        self.hf = hf
-        self.backend = backend
+        self.dir, self.hf, self.backend = directory, hf, backend
         self.vocab_size = len(hf)
         self.special_ids = {}
         for name in SPECIAL_TOKENS:
@@ -203,8 +195,7 @@ def _quantize_scores(model_proto: bytes, step: float = 1 / 64) -> bytes:
     """
     from sentencepiece import sentencepiece_model_pb2 as pb  # protobuf: only when training
 
-    m = pb.ModelProto()
-    m.ParseFromString(model_proto)
+    m = pb.ModelProto.FromString(model_proto)
     if m.trainer_spec.model_type != pb.TrainerSpec.UNIGRAM:
         return model_proto
     for piece in m.pieces:
@@ -220,8 +211,7 @@ def sentencepiece_to_hf(model_proto: bytes):
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as HFBackend
 
-    m = pb.ModelProto()
-    m.ParseFromString(model_proto)
+    m = pb.ModelProto.FromString(model_proto)
     spec, norm = m.trainer_spec, m.normalizer_spec
     if not (norm.add_dummy_prefix and norm.remove_extra_whitespaces and norm.escape_whitespaces
             and spec.split_by_whitespace):
@@ -232,10 +222,10 @@ def sentencepiece_to_hf(model_proto: bytes):
     # fallback still finds byte pieces by name; specials are added tokens below).
     matchable = (kinds.NORMAL, kinds.USER_DEFINED)
     vocab = [(p.piece, p.score if p.type in matchable else -1e6) for p in m.pieces]
+    ids = {p.piece: i for i, p in enumerate(m.pieces)}
     if spec.model_type == pb.TrainerSpec.UNIGRAM:
         model = models.Unigram(vocab, unk_id=spec.unk_id, byte_fallback=spec.byte_fallback)
     elif spec.model_type == pb.TrainerSpec.BPE:
-        ids = {piece: i for i, (piece, _) in enumerate(vocab)}
         merges = []
         for i, p in enumerate(m.pieces):
             if p.type != kinds.NORMAL:
@@ -261,10 +251,9 @@ def sentencepiece_to_hf(model_proto: bytes):
     specials = [p.piece for p in m.pieces if p.type in (kinds.CONTROL, kinds.UNKNOWN)]
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     cls, sep = SPECIAL_TOKENS["cls"], SPECIAL_TOKENS["sep"]
-    pieces = {p.piece: i for i, p in enumerate(m.pieces)}
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
-        special_tokens=[(cls, pieces[cls]), (sep, pieces[sep])])
+        special_tokens=[(cls, ids[cls]), (sep, ids[sep])])
     return tok
 
 
@@ -272,13 +261,9 @@ def write_hf_files(directory: Path, model_proto: bytes) -> None:
     """tokenizer.json + tokenizer_config.json + special_tokens_map.json for ``AutoTokenizer``."""
     sentencepiece_to_hf(model_proto).save(str(directory / "tokenizer.json"))
     specials = {f"{name}_token": piece for name, piece in SPECIAL_TOKENS.items()}
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **specials,
-        "model_max_length": MODEL_MAX_LENGTH,
-        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
-        "clean_up_tokenization_spaces": False,
-    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials, "model_max_length": MODEL_MAX_LENGTH,
+              "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
+              "clean_up_tokenization_spaces": False}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
 
@@ -303,16 +288,12 @@ def train_tokenizer(inputs: list[str], out: str | os.PathLike, vocab_size: int =
     sources = resolve_inputs(inputs, text_field)
 
     stats: dict[str, int] = {}
-
-    def sentences():
-        for doc in iter_documents(sources, text_field, strict, MAX_LINE_CHARS, stats):
-            yield from doc
-
+    sentences = itertools.chain.from_iterable(iter_documents(sources, text_field, strict, MAX_LINE_CHARS, stats))
     model = io.BytesIO()
     spm.set_random_generator_seed(seed)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences(), model_writer=model,
+            sentence_iterator=sentences, model_writer=model,
             model_type=model_type, vocab_size=vocab_size, hard_vocab_limit=False,
             character_coverage=character_coverage, byte_fallback=byte_fallback,
             pad_id=0, unk_id=1, bos_id=2, eos_id=3,
@@ -344,8 +325,7 @@ def train_tokenizer(inputs: list[str], out: str | os.PathLike, vocab_size: int =
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m preprocessing.tokenizer", description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="python -m preprocessing.tokenizer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", action="extend", required=True, metavar="GLOB",
                         help="text/JSONL/JSON/Parquet files, save_to_disk dirs, globs; .gz/.bz2/.xz/.zst ok")
     parser.add_argument("--out", required=True, help="tokenizer directory to write")

@@ -1,6 +1,8 @@
-"""Test-wide settings: offline hubs, and Triton's CPU interpreter when there is no GPU.
+"""Test-wide settings (offline hubs, Triton's CPU interpreter when there is no GPU) and the fixtures several
+test folders share: ``tiny_corpus`` (real preprocessing output) and ``cluster`` (a real Slurm cluster).
 
-TRITON_INTERPRET must be set before triton compiles anything, hence here.
+The folders mirror the package; shared helpers sit here at the top (``launch.py``, ``shard_factory.py``,
+``slurm_cluster.py``). TRITON_INTERPRET must be set before triton compiles anything, hence here.
 """
 
 import os
@@ -30,6 +32,19 @@ def tiny_corpus(tmp_path_factory):
     tokenizer = train_tokenizer([str(corpus)], str(root / "tokenizer"), vocab_size=2000)
     shard_corpus([str(corpus)], str(tokenizer), str(root / "shards"), workers=1, valid_fraction=0.05)
     return {"corpus": corpus, "tokenizer": tokenizer, "shards": root / "shards"}
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """A real one-node Slurm cluster on loopback (tests/slurm_cluster.py), started once for the session
+    (the Slurm tests and the converter's Slurm job use it)."""
+    from slurm_cluster import SlurmCluster, SlurmUnavailable  # only sessions that run Slurm tests need it
+
+    try:
+        with SlurmCluster(tmp_path_factory.mktemp("slurm")) as slurm:  # stops the daemons however we leave
+            yield slurm
+    except SlurmUnavailable as error:  # only start() raises it: no slurm-wlm and no way to install it
+        pytest.skip(str(error))
 
 
 _REPORTED: set[str] = set()  # a failing module fixture fails every test that uses it: print its error once

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import shlex
@@ -10,18 +9,13 @@ import sys
 
 from convbert_ds.convert.from_hf import convert_from_hf
 from convbert_ds.convert.to_hf import convert_checkpoint
-from convbert_ds.errors import exit_on_user_error
+from convbert_ds.errors import ArgumentParser, exit_on_user_error
 from convbert_ds.formats.init_dir import ConvertError
 from convbert_ds.fsutil import FORCE_FLAG
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2 like every other bad input, not usage + message
-        raise ConvertError(message)
-
-
 def parse_args(argv):
-    parser = _Parser(prog="python -m convbert_ds.convert", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = ArgumentParser(prog="python -m convbert_ds.convert",
                      description="DeepSpeed checkpoint -> transformers ConvBERT (and back, with --from-hf).")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="CKPT_DIR", help="the trainer's checkpoint.dir (or one tag in it)")
@@ -46,12 +40,6 @@ def parse_args(argv):
     return args
 
 
-def _import_quietly():
-    """DeepSpeed logs its accelerator choice to stdout on import; the converter's output stays its own."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        import deepspeed  # noqa: F401  # here, not at the top: only --checkpoint needs it, and quietly
-
-
 def run(args, command: str) -> str:
     if args.from_hf:
         init = convert_from_hf(args.from_hf, args.out, generator_dir=args.from_hf_generator,
@@ -59,7 +47,9 @@ def run(args, command: str) -> str:
         lines = [f"wrote {args.out}: {len(init['tensors'])} tensors ({init['objective']}), tokenizer "
                  f"{init['tokenizer']['kind']} vocab {init['tokenizer']['vocab_size']}"]
         return "\n".join(lines + [f"note: {n}" for n in init["notes"]])
-    _import_quietly()
+    # DeepSpeed logs its accelerator choice to stdout on import; the converter's output stays its own.
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        import deepspeed  # noqa: F401  # here, not at the top: only --checkpoint needs it, and quietly
     report = convert_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, verify=args.verify,
                                 force=args.force, tokenizer=args.tokenizer, command=command)
     lines = [f"wrote {args.out}"]

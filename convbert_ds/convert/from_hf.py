@@ -1,7 +1,5 @@
-"""A transformers ConvBERT directory -> an INIT_DIR the trainer can start pretraining from.
-
-    python -m convbert_ds.convert --from-hf HF_DIR [--from-hf-generator GEN_DIR] [--objective electra|mlm]
-                                  [--tokenizer DIR] --out INIT_DIR
+"""A transformers ConvBERT directory -> an INIT_DIR the trainer can start pretraining from
+(``python -m convbert_ds.convert --from-hf``; options in ``convbert_ds.convert``).
 
 The INIT_DIR format and its readers (``read_init``, ``load_init_weights``, ...) are the on-disk contract
 in ``convbert_ds.formats.init_dir``; this module is its writer.
@@ -53,7 +51,6 @@ def _rtd_head(hf_dir: Path, hidden_size: int) -> dict[str, torch.Tensor]:
 def convert_from_hf(hf_dir, out, generator_dir=None, objective: str = "electra", tokenizer=None,
                     force: bool = False) -> dict:
     """Write INIT_DIR (see ``convbert_ds.formats.init_dir``); returns its init.json."""
-
     hf_dir, out = Path(hf_dir), Path(out)
     if objective not in OBJECTIVES:
         raise ConvertError(f"--objective {objective!r}: use one of {OBJECTIVES}")
@@ -64,7 +61,8 @@ def convert_from_hf(hf_dir, out, generator_dir=None, objective: str = "electra",
         if directory is not None and not (Path(directory) / "config.json").is_file():
             raise ConvertError(f"{Path(directory) / 'config.json'} not found: not a transformers model directory")
     tokenizer_dir = Path(tokenizer) if tokenizer is not None else hf_dir
-    if not tokenizer_files(tokenizer_dir):
+    tok_files = tokenizer_files(tokenizer_dir)
+    if not tok_files:
         raise ConvertError(f"{tokenizer_dir} holds no tokenizer files (vocab.txt, tokenizer.json, ...); "
                            "pass --tokenizer DIR")
 
@@ -90,7 +88,6 @@ def convert_from_hf(hf_dir, out, generator_dir=None, objective: str = "electra",
             weights.update({f"generator.{k}": v for k, v in state.items()
                             if not k.startswith("convbert.embeddings.") and k != "generator_lm_head.weight"})
 
-    tok_files = tokenizer_files(tokenizer_dir)
     init = {"format": INIT_FORMAT, "format_version": INIT_FORMAT_VERSION, "objective": objective,
             "model": body.config.to_dict(), "generator": generator_config.to_dict() if generator_config else None,
             "tensors": sorted(weights), "tokenizer": None,

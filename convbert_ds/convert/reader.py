@@ -29,10 +29,6 @@ from convbert_ds.model import ElectraForPretraining, WeightsError
 from convbert_ds.model.optim import param_groups
 from convbert_ds.model.tied import fill_tied
 
-__all__ = ["Checkpoint", "ConvertError", "check_files", "complete_aliases", "expected_files", "open_checkpoint",
-           "read_state_dict"]
-
-
 @dataclass
 class Checkpoint:
     root: Path  # the trainer's checkpoint.dir
@@ -40,25 +36,15 @@ class Checkpoint:
     state: dict  # trainer_state.json
     electra: ElectraConfig
 
+    def __post_init__(self) -> None:  # the run's layout, as trainer_state.json records it
+        self.stages = int(self.state.get("pipeline_stages", 1))
+        self.zero_stage = int(self.state.get("zero_stage", 0))
+        self.precision: str = self.state.get("precision", "fp32")
+        self.world_size = int(self.state.get("world_size", 1))
+
     @property
     def directory(self) -> Path:
         return self.root / self.tag
-
-    @property
-    def stages(self) -> int:
-        return int(self.state.get("pipeline_stages", 1))
-
-    @property
-    def zero_stage(self) -> int:
-        return int(self.state.get("zero_stage", 0))
-
-    @property
-    def precision(self) -> str:
-        return self.state.get("precision", "fp32")
-
-    @property
-    def world_size(self) -> int:
-        return int(self.state.get("world_size", 1))
 
     def describe(self) -> str:
         layout = f"pipeline ({self.stages} stages), ZeRO-{self.zero_stage}" if self.stages > 1 else \
@@ -124,10 +110,8 @@ def expected_files(ckpt: Checkpoint) -> list[str]:
     if ckpt.zero_stage == 0:
         return ["mp_rank_00_model_states.pt"]
     ranks = range(ckpt.world_size)
-    if ckpt.zero_stage == 3:
-        models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks]
-    else:
-        models = ["mp_rank_00_model_states.pt"]
+    models = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks] if ckpt.zero_stage == 3
+              else ["mp_rank_00_model_states.pt"])
     return models + [_optim_file(d, r, 0, precision) for r in ranks]
 
 
@@ -219,10 +203,9 @@ def _pipeline_state(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
         layer = torch.load(ckpt.directory / f"layer_{index:02d}-model_states.pt", map_location="cpu",
                            weights_only=True)
         weights.update({prefix + key: tensor for key, tensor in layer.items()})
-    if ckpt.precision == "fp32":
-        return {k: v.float() for k, v in weights.items()}, "pipeline layer files (fp32)"
-    if ckpt.zero_stage == 0:
-        return {k: v.float() for k, v in weights.items()}, f"pipeline layer files ({ckpt.precision}, upcast)"
+    if ckpt.precision == "fp32" or ckpt.zero_stage == 0:
+        how = "fp32" if ckpt.precision == "fp32" else f"{ckpt.precision}, upcast"
+        return {k: v.float() for k, v in weights.items()}, f"pipeline layer files ({how})"
     masters = _pipeline_masters(ckpt, layer_names)
     for name, tensor in weights.items():
         if name not in masters or not torch.equal(masters[name].to(tensor.dtype), tensor):

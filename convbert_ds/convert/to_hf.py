@@ -19,7 +19,6 @@ one rename of a finished temporary directory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -29,8 +28,10 @@ import torch
 from safetensors.torch import save_file
 
 from convbert_ds.config import ElectraConfig, ModelConfig
-from convbert_ds.convert.reader import ConvertError, open_checkpoint, read_state_dict
+from convbert_ds.convert.reader import open_checkpoint, read_state_dict
 from convbert_ds.convert.verify import verify_output
+from convbert_ds.formats.init_dir import ConvertError
+from convbert_ds.formats.shard_manifest import file_sha256
 from convbert_ds.fsutil import refuse_non_empty, write_dir_atomically
 from convbert_ds.model.tied import untie
 from preprocessing.tokenizer import TOKENIZER_FILES, tokenizer_sha256
@@ -51,9 +52,7 @@ def split_for_hf(weights: dict[str, torch.Tensor], electra: ElectraConfig) -> di
 
 
 def hf_config(config: ModelConfig, architecture: str, dtype: str) -> dict:
-    hf = config.to_hf_dict([architecture])
-    hf["dtype"] = str(DTYPES[dtype]).removeprefix("torch.")
-    return hf
+    return {**config.to_hf_dict([architecture]), "dtype": str(DTYPES[dtype]).removeprefix("torch.")}
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, dtype: str) -> None:
@@ -118,7 +117,7 @@ def model_card(electra: ElectraConfig, facts: CardFacts, dtype: str, report: dic
             lines.append(f"- {label}: {value:,}" if isinstance(value, int) else f"- {label}: {value}")
     for entry in state.get("data_sets") or []:
         manifest = Path(entry["path"]) / "manifest.json"
-        digest = _sha256(manifest) if manifest.is_file() else "not found at conversion time"
+        digest = file_sha256(manifest) if manifest.is_file() else "not found at conversion time"
         lines.append(f"- data: `{entry['path']}` (weight {entry.get('weight')}, manifest.json sha256 {digest})")
     if tok:
         lines.append(f"- tokenizer: {tok.get('kind')}, vocab {tok.get('vocab_size')}, special ids "
@@ -141,10 +140,6 @@ def _models(electra: ElectraConfig) -> dict[str, ModelConfig]:
     if electra.objective == "electra":
         return {"discriminator": electra.discriminator, "generator": electra.generator}
     return {"generator (mlm)": electra.discriminator}
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, tokenizer_dir, facts: CardFacts,

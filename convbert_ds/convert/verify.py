@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from convbert_ds.config import ElectraConfig
-from convbert_ds.convert.reader import ConvertError
+from convbert_ds.formats.init_dir import ConvertError
 from convbert_ds.model import ElectraForPretraining
 from preprocessing.tokenizer import load_tokenizer
 
@@ -50,8 +50,7 @@ def verify_output(out: Path, weights: dict[str, torch.Tensor], electra: ElectraC
     length = min(config.max_position_embeddings, 48)
     batches = [dict(hf_tokenizer([t for t, _ in _SAMPLE_TEXT], [p for _, p in _SAMPLE_TEXT], padding=True,
                                  truncation=True, max_length=length, return_tensors="pt"))]
-    rng = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (3, length), generator=rng)
+    ids = torch.randint(0, config.vocab_size, (3, length), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, length // 2:] = 0
     ids[mask == 0] = config.pad_token_id

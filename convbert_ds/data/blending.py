@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from convbert_ds.data.index_cache import RecordWriter, load_or_build, open_records
+from convbert_ds.data.index_cache import MappedRecords, RecordWriter, load_or_build
 from convbert_ds.data.packing import INDEX_FORMAT_VERSION, PackedDataset
 
 logger = logging.getLogger(__name__)
@@ -40,18 +40,12 @@ _WINDOW = 1 << 20
 def blend_counts(weights: Sequence[float], total: int) -> np.ndarray:
     """Draws per set: ``total * w`` rounded so the counts sum to ``total`` (largest remainder)."""
     w = np.asarray(weights, dtype=np.float64)
-    w = w / w.sum()
-    exact = w * total
+    exact = w / w.sum() * total
     counts = np.floor(exact).astype(np.int64)
     short = total - int(counts.sum())
     order = np.argsort(-(exact - counts), kind="stable")
     counts[order[:short]] += 1
     return counts
-
-
-def _draws_before(counts: np.ndarray, x: float) -> np.ndarray:
-    """How many of each set's draws sit before fraction ``x`` of the blend (monotone in x)."""
-    return np.clip(np.ceil(x * counts - 0.5), 0, counts).astype(np.int64)
 
 
 def build_blend_index(sizes: Sequence[int], weights: Sequence[float], total: int, seed: int,
@@ -68,7 +62,8 @@ def build_blend_index(sizes: Sequence[int], weights: Sequence[float], total: int
     n_windows = max(1, math.ceil(total / window))
     lo = np.zeros(len(sizes), dtype=np.int64)
     for j in tqdm(range(1, n_windows + 1), desc="blending", unit="window", disable=not progress):
-        hi = _draws_before(counts, j / n_windows) if j < n_windows else counts
+        # How many of each set's draws sit before fraction j / n_windows of the blend (monotone in j).
+        hi = np.clip(np.ceil(j / n_windows * counts - 0.5), 0, counts).astype(np.int64) if j < n_windows else counts
         dataset = np.repeat(np.arange(len(sizes)), hi - lo)
         k = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)])
         position = (k + 0.5) / counts[dataset]
@@ -85,12 +80,11 @@ def build_blend_index(sizes: Sequence[int], weights: Sequence[float], total: int
         lo = hi
 
 
-class BlendedDataset(torch.utils.data.Dataset):
+class BlendedDataset(MappedRecords, torch.utils.data.Dataset):
     """Several ``PackedDataset`` s (same tokenizer) drawn by weight in a fixed interleaved order."""
 
     def __init__(self, datasets: Sequence[PackedDataset], weights: Sequence[float], seed: int = 1234,
-                 num_samples: int | None = None, cache_dir: str | os.PathLike | None = None,
-                 progress: bool = True):
+                 num_samples: int | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = True):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError("BlendedDataset needs one weight per dataset and at least one dataset")
         self.datasets = list(datasets)
@@ -114,28 +108,14 @@ class BlendedDataset(torch.utils.data.Dataset):
             logger.info("built blend index %s: %d positions over sets of %s samples", path, total, sizes)
             return {"sets": [str(d.source.shard_dir) for d in datasets], "weights": self.weights}
 
-        index = load_or_build(path, self.key, BLEND_DTYPE, build)
-        self.index_path, self.index_built = index.path, index.built
-        self._blend = index.records
+        self._attach(load_or_build(path, self.key, BLEND_DTYPE, build))
         self.seq_len = first.seq_len
 
     @property
     def blend(self) -> np.ndarray:
         """One ``BLEND_DTYPE`` record (dataset, sample) per position."""
-        return self._blend
-
-    def __len__(self) -> int:
-        return len(self._blend)
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_blend"] = len(self._blend)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._blend = open_records(self.index_path, BLEND_DTYPE, state["_blend"])
+        return self._records
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        dataset, sample = self._blend[i].tolist()
+        dataset, sample = self._records[i].tolist()
         return self.datasets[dataset][sample]

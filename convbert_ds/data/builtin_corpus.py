@@ -14,14 +14,15 @@ document).
 
 from __future__ import annotations
 
-import argparse
 import ast
 import os
 import re
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from convbert_ds.errors import ArgumentParser, exit_on_user_error
 from convbert_ds.fsutil import write_text_atomically
 
 # Directories whose docstrings are mostly code, generated tables or test noise.
@@ -66,10 +67,8 @@ def _prose_paragraphs(docstring: str) -> list[str]:
             continue
         text = " ".join(line.strip() for line in lines)
         words = text.split()
-        if len(words) < _MIN_WORDS_PER_PARAGRAPH:
-            continue
         # Mostly-symbol blocks (signatures, tables) have few real words.
-        if len(_WORD.findall(text)) < 0.6 * len(words):
+        if len(words) < _MIN_WORDS_PER_PARAGRAPH or len(_WORD.findall(text)) < 0.6 * len(words):
             continue
         paragraphs.append(" ".join(words))
     return paragraphs
@@ -105,7 +104,7 @@ def write_corpus(out: str | os.PathLike, max_bytes: int | None = None, repeat_to
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="text file to write")
     parser.add_argument("--max-bytes", type=int, default=None, help="stop after about this many bytes")
     parser.add_argument("--repeat-to-bytes", type=int, default=None,
@@ -116,4 +115,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

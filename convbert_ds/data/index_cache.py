@@ -28,7 +28,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"CBDSIDX\x01"
 HEADER_BYTES = 4096
-_CRC_CHUNK = 1 << 26
 
 
 class CacheFileError(UserError, ValueError):
@@ -50,10 +49,8 @@ class RecordWriter:
     """Appends record arrays to a cache file being built; the caller never sees the header."""
 
     def __init__(self, stream, dtype: np.dtype):
-        self._stream = stream
-        self.dtype = dtype
-        self.count = 0
-        self.crc32 = 0
+        self._stream, self.dtype = stream, dtype
+        self.count = self.crc32 = 0
 
     def append(self, records: np.ndarray) -> None:
         if records.dtype != self.dtype:
@@ -79,6 +76,24 @@ def open_records(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
+class MappedRecords:
+    """Base of a dataset over a cached index: it pickles as the file's path and maps the file again on arrival
+    (e.g. in DataLoader workers) instead of copying the records."""
+
+    def _attach(self, index: CachedIndex) -> None:
+        self.index_path, self.index_built, self._records = index.path, index.built, index.records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_records": (self._records.dtype, len(self._records))}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._records = open_records(self.index_path, *self._records)
+
+
 def _read_header(path: Path) -> dict:
     with open(path, "rb") as f:
         head = f.read(HEADER_BYTES)
@@ -100,13 +115,8 @@ def _check(path: Path, key: str, dtype: np.dtype, verify_crc: bool) -> CachedInd
     if path.stat().st_size != HEADER_BYTES + count * dtype.itemsize:
         raise CacheFileError(f"{path}: size does not match its header (truncated?)")
     records = open_records(path, dtype, count)
-    if verify_crc:
-        raw = records.view(np.uint8)
-        crc = 0
-        for lo in range(0, len(raw), _CRC_CHUNK):
-            crc = zlib.crc32(raw[lo:lo + _CRC_CHUNK], crc)
-        if crc != header["crc32"]:
-            raise CacheFileError(f"{path}: checksum mismatch (corrupt)")
+    if verify_crc and zlib.crc32(records.view(np.uint8)) != header["crc32"]:
+        raise CacheFileError(f"{path}: checksum mismatch (corrupt)")
     return CachedIndex(path, records, header.get("meta", {}), built=False)
 
 
@@ -133,8 +143,7 @@ def _exclusive(lock_path: Path) -> Iterator[bool]:
         except OSError as e:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise
-            logger.warning("no file locks on %s (%s): every process builds its own copy",
-                           lock_path.parent, e)
+            logger.warning("no file locks on %s (%s): every process builds its own copy", lock_path.parent, e)
             yield False
             return
         yield True
@@ -175,8 +184,7 @@ def load_or_build(path: Path, key: str, dtype: np.dtype,
         return cached
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = path.with_name(path.name + ".lock")
-        with _exclusive(lock_path) as locked:
+        with _exclusive(path.with_name(path.name + ".lock")) as locked:
             cached = _try_load(path, key, dtype)  # another process may have built it meanwhile
             if cached is not None:
                 return cached
@@ -187,6 +195,4 @@ def load_or_build(path: Path, key: str, dtype: np.dtype,
     except PermissionError as e:
         raise PermissionError(f"cannot write the sample index beside the shards ({e.filename}); "
                               f"pass a writable cache_dir (config: data.cache_dir)") from None
-    index = _check(path, key, dtype, verify_crc=False)
-    index.built = True
-    return index
+    return replace(_check(path, key, dtype, verify_crc=False), built=True)

@@ -57,8 +57,7 @@ def parse_sets(sets) -> list[tuple[Path, float]]:
 
 
 def build_dataset(sets, split: str, seq_len: int, seed: int = 1234, num_samples: int | None = None,
-                  cache_dir: str | os.PathLike | None = None, progress: bool = True
-                  ) -> PackedDataset | BlendedDataset:
+                  cache_dir: str | os.PathLike | None = None, progress: bool = True) -> PackedDataset | BlendedDataset:
     """One dataset over ``split`` of every set; blended by weight when there are several.
 
     Every manifest is checked (and the tokenizers compared) before any index is built.
@@ -90,8 +89,7 @@ class PretrainingDataLoader:
         # Samples are deterministic, so workers need no randomness; an own generator keeps the
         # DataLoader from drawing worker seeds out of the global RNG, which an exact resume restores.
         self.dataloader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                                      pin_memory=pin_memory,
-                                                      generator=torch.Generator().manual_seed(0))
+                                                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(0))
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for batch in self.dataloader:

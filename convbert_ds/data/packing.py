@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from convbert_ds.config import ConfigError
-from convbert_ds.data.index_cache import RecordWriter, load_or_build, open_records
+from convbert_ds.data.index_cache import MappedRecords, RecordWriter, load_or_build
 from convbert_ds.data.shards import ShardSplit, open_split
 from convbert_ds.formats.shard_manifest import ShardManifestError
 
@@ -85,8 +85,7 @@ def pack_documents(seq_lengths: np.ndarray, seq_starts: np.ndarray, doc_bounds: 
     unit_start = seq_starts[unit_seq] + piece_no * budget
     unit_len = np.minimum(budget, seq_lengths[unit_seq] - piece_no * budget)
     unit_doc = seq_doc[unit_seq]
-    n_units = len(unit_seq)
-    if n_units == 0:
+    if len(unit_seq) == 0:
         return np.empty(0, dtype=SAMPLE_DTYPE)
     cum = np.concatenate([[0], np.cumsum(unit_len)])  # tokens before unit i (within the block)
     doc_units = np.searchsorted(unit_doc, np.arange(len(doc_bounds)))  # first unit of each document
@@ -136,7 +135,6 @@ def _pack_shard(split: ShardSplit, shard_no: int, seq_len: int, seed: int, write
     if found != listed:
         raise ShardManifestError(f"{shard.idx_path}: holds (documents, sequences, tokens, dtype) = {found} but the "
                          f"manifest lists {listed}; re-run python -m preprocessing.shard")
-    itemsize = shard.dtype.itemsize
     d0, n_docs, token_cursor = 0, len(docs) - 1, 0
     while d0 < n_docs:
         d1 = int(np.searchsorted(docs, docs[d0] + _BLOCK_SEQUENCES, side="right")) - 1
@@ -144,15 +142,13 @@ def _pack_shard(split: ShardSplit, shard_no: int, seq_len: int, seed: int, write
         lo, hi = int(docs[d0]), int(docs[d1])
         block_lengths = np.array(lengths[lo:hi], dtype=np.int64)
         starts = token_cursor + np.concatenate([[0], np.cumsum(block_lengths)[:-1]])
-        if not np.array_equal(pointers[lo:hi], starts * itemsize):
+        if not np.array_equal(pointers[lo:hi], starts * shard.dtype.itemsize):
             raise ShardManifestError(f"{shard.idx_path}: sequences are not stored back to back in the .bin; "
                              f"re-write the shard with megatron's IndexedDatasetBuilder")
-        writer.append(pack_documents(block_lengths, starts, np.asarray(docs[d0:d1 + 1]) - lo,
-                                     seq_len, seed, shard_no))
+        writer.append(pack_documents(block_lengths, starts, np.asarray(docs[d0:d1 + 1]) - lo, seq_len, seed, shard_no))
         token_cursor += int(block_lengths.sum())
         bar.update(hi - lo)
         d0 = d1
-    del ds
 
 
 def sample_index_key(split: ShardSplit, seq_len: int, seed: int) -> str:
@@ -167,7 +163,7 @@ def check_seq_len(seq_len: int) -> None:
                          f"128 or 512 are the usual values")
 
 
-class PackedDataset(torch.utils.data.Dataset):
+class PackedDataset(MappedRecords, torch.utils.data.Dataset):
     """Fixed-length BERT samples packed from one shard directory's split.
 
     Item ``i`` is a dict of int64 tensors of length ``seq_len``: ``input_ids``
@@ -188,11 +184,9 @@ class PackedDataset(torch.utils.data.Dataset):
         self.key = sample_index_key(self.source, self.seq_len, self.seed)
         cache_dir = Path(cache_dir) if cache_dir is not None else self.source.shard_dir / CACHE_SUBDIR
         path = cache_dir / f"{self.source.split}-seq{self.seq_len}-seed{self.seed}-{self.key[:16]}.samples"
-        index = load_or_build(path, self.key, SAMPLE_DTYPE, lambda writer: self._build(writer, progress))
-        self.index_path, self.index_built = index.path, index.built
-        self._samples = index.records
+        self._attach(load_or_build(path, self.key, SAMPLE_DTYPE, lambda writer: self._build(writer, progress)))
         self._bins: list[np.ndarray] | None = None
-        if len(self._samples) == 0:
+        if len(self) == 0:
             raise ConfigError(f"{self.source.shard_dir}: split {self.source.split!r} packs into no samples")
 
     def _build(self, writer: RecordWriter, progress: bool) -> dict:
@@ -209,20 +203,10 @@ class PackedDataset(torch.utils.data.Dataset):
     @property
     def samples(self) -> np.ndarray:
         """The packed index: one ``SAMPLE_DTYPE`` record (shard, start, len_a, len_b) per sample."""
-        return self._samples
-
-    def __len__(self) -> int:
-        return len(self._samples)
+        return self._records
 
     def __getstate__(self) -> dict:
-        # Memory maps are reopened in the receiving process instead of being copied.
-        state = dict(self.__dict__)
-        state["_samples"], state["_bins"] = len(self._samples), None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._samples = open_records(self.index_path, SAMPLE_DTYPE, state["_samples"])
+        return {**super().__getstate__(), "_bins": None}  # the receiving process maps the shards again
 
     def _shard_tokens(self, shard: int) -> np.ndarray:
         if self._bins is None:
@@ -232,7 +216,7 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Segments A and B of sample ``i`` as token arrays (no special tokens)."""
-        shard, start, len_a, len_b = self._samples[i].tolist()
+        shard, start, len_a, len_b = self._records[i].tolist()
         chunk = self._shard_tokens(shard)[start:start + len_a + len_b]
         return chunk[:len_a], chunk[len_a:]
 
@@ -240,16 +224,11 @@ class PackedDataset(torch.utils.data.Dataset):
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
         a, b = self.tokens(int(i) % len(self))
-        n_a, n_b = len(a), len(b)
+        n = 3 + len(a) + len(b)
         input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
-        input_ids[0] = self.cls_id
-        input_ids[1:1 + n_a] = a
-        input_ids[1 + n_a] = self.sep_id
-        input_ids[2 + n_a:2 + n_a + n_b] = b
-        input_ids[2 + n_a + n_b] = self.sep_id
+        input_ids[:n] = np.concatenate([[self.cls_id], a, [self.sep_id], b, [self.sep_id]])
         token_type_ids = np.zeros(self.seq_len, dtype=np.int64)
-        token_type_ids[2 + n_a:3 + n_a + n_b] = 1
-        attention_mask = np.zeros(self.seq_len, dtype=np.int64)
-        attention_mask[:3 + n_a + n_b] = 1
+        token_type_ids[2 + len(a):n] = 1
+        attention_mask = (np.arange(self.seq_len) < n).astype(np.int64)
         return {"input_ids": torch.from_numpy(input_ids), "token_type_ids": torch.from_numpy(token_type_ids),
                 "attention_mask": torch.from_numpy(attention_mask)}

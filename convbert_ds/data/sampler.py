@@ -12,21 +12,32 @@ resuming from it continues the stream exactly, whatever ``dp_size`` was.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import numpy as np
 
 
-def _check_layout(num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
-    if num_samples <= 0:
-        raise ValueError(f"sampler needs a non-empty dataset (num_samples={num_samples})")
-    if micro_batch_size <= 0:
-        raise ValueError(f"micro_batch_size must be positive (got {micro_batch_size})")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} is outside data-parallel size {dp_size}")
+class _Layout:
+    """The data-parallel layout both samplers share."""
+
+    def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        if num_samples <= 0:
+            raise ValueError(f"sampler needs a non-empty dataset (num_samples={num_samples})")
+        if micro_batch_size <= 0:
+            raise ValueError(f"micro_batch_size must be positive (got {micro_batch_size})")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside data-parallel size {dp_size}")
+        self.num_samples, self.micro_batch_size = int(num_samples), int(micro_batch_size)
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Positions one micro-batch step consumes across all data-parallel ranks."""
+        return self.micro_batch_size * self.dp_size
 
 
-class PretrainingSampler:
+class PretrainingSampler(_Layout):
     """Endless shuffled batch sampler for one data-parallel rank; a ``batch_sampler`` for DataLoader.
 
     Iterating does not advance ``consumed_samples``: DataLoader workers draw
@@ -36,21 +47,14 @@ class PretrainingSampler:
 
     def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,
                  consumed_samples: int = 0, shuffle: bool = True):
-        _check_layout(num_samples, micro_batch_size, dp_rank, dp_size)
+        super().__init__(num_samples, micro_batch_size, dp_rank, dp_size)
         if consumed_samples < 0:
             raise ValueError(f"consumed_samples must be >= 0 (got {consumed_samples})")
         if seed < 0:
             raise ValueError(f"sampler seed must be >= 0 (got {seed})")
-        self.num_samples, self.micro_batch_size = int(num_samples), int(micro_batch_size)
-        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.seed, self.shuffle = int(seed), bool(shuffle)
         self.consumed_samples = int(consumed_samples)
         self._epoch_cache: tuple[int, np.ndarray] | None = None
-
-    @property
-    def samples_per_step(self) -> int:
-        """Positions one micro-batch step consumes across all data-parallel ranks."""
-        return self.micro_batch_size * self.dp_size
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Sample indices in the order epoch ``epoch`` visits them."""
@@ -74,13 +78,9 @@ class PretrainingSampler:
         return out
 
     def __iter__(self) -> Iterator[list[int]]:
-        return self._batches(self.consumed_samples)
-
-    def _batches(self, consumed: int) -> Iterator[list[int]]:
-        position = consumed + self.dp_rank * self.micro_batch_size
-        while True:
-            yield self.indices_at(np.arange(position, position + self.micro_batch_size)).tolist()
-            position += self.samples_per_step
+        first = self.consumed_samples + self.dp_rank * self.micro_batch_size
+        return (self.indices_at(np.arange(position, position + self.micro_batch_size)).tolist()
+                for position in itertools.count(first, self.samples_per_step))
 
     def advance(self, micro_batches: int = 1) -> None:
         """Record that ``micro_batches`` micro-batch steps were handed to training (on every rank)."""
@@ -99,7 +99,7 @@ class PretrainingSampler:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-class EvalSampler:
+class EvalSampler(_Layout):
     """One unshuffled pass over the dataset, the same every time; ranks take disjoint slices.
 
     Positions that do not fill a whole ``micro_batch_size * dp_size`` step are
@@ -107,17 +107,15 @@ class EvalSampler:
     """
 
     def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int):
-        _check_layout(num_samples, micro_batch_size, dp_rank, dp_size)
-        self.num_samples, self.micro_batch_size = int(num_samples), int(micro_batch_size)
-        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
+        super().__init__(num_samples, micro_batch_size, dp_rank, dp_size)
         if len(self) == 0:
             raise ValueError(f"evaluation set has {num_samples} samples, fewer than one step of "
                              f"micro_batch_size {micro_batch_size} x dp_size {dp_size}; use a larger valid split")
 
     def __len__(self) -> int:
-        return self.num_samples // (self.micro_batch_size * self.dp_size)
+        return self.num_samples // self.samples_per_step
 
     def __iter__(self) -> Iterator[list[int]]:
-        step = self.micro_batch_size * self.dp_size
+        step = self.samples_per_step
         for first in range(self.dp_rank * self.micro_batch_size, len(self) * step, step):
             yield list(range(first, first + self.micro_batch_size))

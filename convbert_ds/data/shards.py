@@ -50,14 +50,6 @@ class ShardSplit:
     special_ids: dict
     vocab_size: int
 
-    @property
-    def documents(self) -> int:
-        return sum(s.documents for s in self.shards)
-
-    @property
-    def tokens(self) -> int:
-        return sum(s.tokens for s in self.shards)
-
 
 def open_split(shard_dir: str | os.PathLike, split: str) -> ShardSplit:
     """Read and check ``shard_dir/manifest.json`` for ``split``; every shard file must exist, whole."""
@@ -70,13 +62,11 @@ def open_split(shard_dir: str | os.PathLike, split: str) -> ShardSplit:
     shards = tuple(Shard(prefix=shard_dir / e["prefix"], name=e["prefix"], dtype=np.dtype(e["dtype"]),
                          documents=int(e["documents"]), sequences=int(e["sequences"]), tokens=int(e["tokens"]),
                          sha256=dict(e["sha256"])) for e in manifest["splits"][split]["shards"])
-    tokenizer = manifest["tokenizer"]
-    result = ShardSplit(shard_dir, split, shards, tokenizer, dict(tokenizer["special_ids"]),
-                        int(tokenizer["vocab_size"]))
-    if result.documents == 0 or result.tokens == 0:
+    if sum(s.documents for s in shards) == 0 or sum(s.tokens for s in shards) == 0:
         raise ShardManifestError(f"{manifest_path}: split {split!r} has no documents; shard a corpus that "
                                  f"gives it some, or drop {shard_dir} from data.sets")
-    return result
+    tokenizer = manifest["tokenizer"]
+    return ShardSplit(shard_dir, split, shards, tokenizer, dict(tokenizer["special_ids"]), int(tokenizer["vocab_size"]))
 
 
 def check_same_tokenizer(splits: list[ShardSplit]) -> None:

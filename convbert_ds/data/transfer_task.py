@@ -30,13 +30,13 @@ outputs are the same on every run of the same installation.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import importlib.metadata
 import json
 import os
 import random
 import re
+import sys
 import sysconfig
 import time
 from collections import defaultdict
@@ -45,6 +45,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from convbert_ds.data.builtin_corpus import _DEFINITIONS, _docstrings, _prose_paragraphs, _stdlib_files
+from convbert_ds.errors import ArgumentParser, exit_on_user_error
 from convbert_ds.fsutil import write_text_atomically
 
 # label -> (what the library is for, its top-level names in site-packages).
@@ -100,10 +101,6 @@ def _top_level_name(entry: Path) -> str:
     return entry.name.removesuffix(".py")
 
 
-def _is_test_file(path: Path) -> bool:
-    return path.name.startswith("test_") or path.stem.endswith("_test")
-
-
 def _package_files(entry: Path) -> list[Path]:
     """Sorted ``.py`` files of one site-packages entry, without test folders and test files."""
     if entry.is_file():
@@ -112,19 +109,14 @@ def _package_files(entry: Path) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(entry):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
-    return [f for f in files if not _is_test_file(f)]
+    return [f for f in files if not (f.name.startswith("test_") or f.stem.endswith("_test"))]
 
 
 def _site_entries(exclude: Collection[str]) -> list[Path]:
     """Site-packages entries to read: everything but ``exclude``, this project and its editable hook."""
-    entries = []
-    for root in _site_packages():
-        for entry in sorted(root.iterdir()):
-            name = _top_level_name(entry)
-            if name in exclude or name == _OWN_PROJECT or name.startswith("__editable__"):
-                continue
-            entries.append(entry)
-    return entries
+    return [entry for root in _site_packages() for entry in sorted(root.iterdir())
+            if (name := _top_level_name(entry)) not in exclude and name != _OWN_PROJECT
+            and not name.startswith("__editable__")]
 
 
 # ---------------------------------------------------------------- the task
@@ -184,10 +176,6 @@ def task_pool() -> dict[str, tuple[str, ...]]:
     return {label: tuple(sorted(texts)) for label, texts in pool.items()}
 
 
-def _write_jsonl(path: Path, rows: Iterable[dict[str, str]]) -> None:
-    write_text_atomically(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-
-
 def write_transfer_task(out_dir: str | os.PathLike, train_per_class: int = 500, dev_per_class: int = 100,
                         seed: int = 0) -> dict:
     """Write ``train.jsonl`` and ``validation.jsonl`` ({"text", "label"} per line), balanced by class.
@@ -212,7 +200,8 @@ def write_transfer_task(out_dir: str | os.PathLike, train_per_class: int = 500, 
     out_dir.mkdir(parents=True, exist_ok=True)
     for split, rows in splits.items():
         rng.shuffle(rows)
-        _write_jsonl(out_dir / f"{split}.jsonl", rows)
+        write_text_atomically(out_dir / f"{split}.jsonl",
+                              "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     return {
         "source": "first paragraph of class/function docstrings of pinned packages, labelled by package",
         "classes": {label: description for label, (description, _) in TASK_CLASSES.items()},
@@ -272,10 +261,10 @@ def _markup_paragraphs(text: str) -> list[str]:
             if not _HTML_TAG.search(p) and "{{" not in p and not p.startswith(("..", "|", "#", "[!", "="))]
 
 
-def _metadata_description(path: Path) -> str:
-    """The long description (the README) that follows the headers of a ``METADATA`` file."""
+def _doc_text(path: Path) -> str:
+    """A documentation file's text; of a ``METADATA`` file, the long description (the README) after the headers."""
     text = path.read_text(encoding="utf-8", errors="replace")
-    return text.split("\n\n", 1)[1] if "\n\n" in text else ""
+    return text.partition("\n\n")[2] if path.name == "METADATA" else text
 
 
 def _doc_files(entry: Path) -> list[Path]:
@@ -302,9 +291,7 @@ def _raw_documents(exclude: Collection[str]) -> Iterator[list[str]]:
                 yield _prose_paragraphs(docstring)
     for entry in entries:
         for path in _doc_files(entry):
-            text = _metadata_description(path) if path.name == "METADATA" else path.read_text(
-                encoding="utf-8", errors="replace")
-            yield _markup_paragraphs(text)
+            yield _markup_paragraphs(_doc_text(path))
 
 
 def iter_pretraining_documents(max_bytes: int | None = None,
@@ -343,7 +330,7 @@ def write_pretraining_corpus(out: str | os.PathLike, max_bytes: int | None = Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     corpus = sub.add_parser("corpus", help="write the pretraining corpus (text file)")
     corpus.add_argument("--out", required=True, help="text file to write")
@@ -361,9 +348,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {path}: {len(text.encode('utf-8')) / 1e6:.1f} MB, {len(text.split()) / 1e6:.2f}M words"
               f" in {time.perf_counter() - start:.0f} s")
     else:
-        info = write_transfer_task(args.out, args.train_per_class, args.dev_per_class, args.seed)
-        print(json.dumps(info, indent=2))
+        print(json.dumps(write_transfer_task(args.out, args.train_per_class, args.dev_per_class, args.seed), indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

@@ -50,10 +50,6 @@ class DownstreamProbes:
         self.baseline: float | None = None
         self.baseline_queued = False
 
-    @property
-    def enabled(self) -> bool:
-        return self.section.interval > 0
-
     def _task_args(self) -> list[str]:
         d = self.section
         if d.glue_task:
@@ -73,7 +69,7 @@ class DownstreamProbes:
 
     def after_save(self, step: int, checkpoint: Path) -> None:
         """Queue a probe of the checkpoint just saved (and, the first time, the baseline)."""
-        if not self.enabled or step % self.section.interval:
+        if self.section.interval <= 0 or step % self.section.interval:
             return
         if self.section.random_baseline and not self.baseline_queued:
             self.baseline_queued = True
@@ -84,14 +80,13 @@ class DownstreamProbes:
 
     def _start(self, probe: Probe) -> None:
         probe.out.parent.mkdir(parents=True, exist_ok=True)
-        log = open(probe.out.parent / f"{probe.name}.log", "w")
         env = {**os.environ, "OMP_NUM_THREADS": str(self.section.threads), "CUDA_VISIBLE_DEVICES": "",
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1"}
         for name in TORCH_VARS:
             env.pop(name, None)  # the probe is a single process of its own, not a rank of this job
-        probe.process = subprocess.Popen(probe.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         preexec_fn=lambda: os.nice(self.section.nice))
-        log.close()
+        with open(probe.out.parent / f"{probe.name}.log", "w") as log:
+            probe.process = subprocess.Popen(probe.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             preexec_fn=lambda: os.nice(self.section.nice))
         self.running = probe
 
     def _finish(self, probe: Probe) -> None:

@@ -35,7 +35,7 @@ EXIT_PREEMPTED = 3
 
 
 class TrainingError(RuntimeError):
-    pass
+    """Training cannot go on (non-finite losses in a row); the message says how to resume."""
 
 
 class Preemption:
@@ -66,7 +66,6 @@ class MetricsLog:
             return
         log_dir.mkdir(parents=True, exist_ok=True)
         checkpoint.truncate_jsonl(self.path, start_step)
-
         self.writer = SummaryWriter(str(log_dir / "tensorboard"), purge_step=start_step + 1)
 
     def write(self, step: int, metrics: dict, prefix: str = "train") -> None:
@@ -104,10 +103,8 @@ class Trainer:
     # Setup (after the process group exists) -------------------------------------
     def _initial_plain_model(self):
         """The plain model, from published weights when ``model.init_from_hf`` is set."""
-
         model = ElectraForPretraining(self.electra)
         if self.cfg.model.init_from_hf:
-
             fresh = load_init_weights(model, self.cfg.model.init_from_hf)
             if dist.get_rank() == 0:
                 print(f"initialised from {self.cfg.model.init_from_hf}; fresh: {len(fresh)} tensors "
@@ -118,7 +115,6 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         if self.pipelined:
-
             module = build_pipeline_module(self.electra, cfg.pipeline.stages, cfg.pipeline.partition_method,
                                            activation_checkpoint_interval=1 if cfg.train.activation_checkpointing
                                            else 0, seed=cfg.train.seed)
@@ -132,7 +128,6 @@ class Trainer:
         return model
 
     def setup(self):
-
         cfg = self.cfg
         model = self._build_model()
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(
@@ -209,7 +204,6 @@ class Trainer:
         return metrics, nonfinite
 
     def _pipeline_step(self, batches) -> tuple[dict, int]:
-
         loss = self.engine.train_batch(data_iter=(pipeline_batch(self._to_device(b)) for b in batches))
         metrics = pipeline_metrics(self.engine)
         return metrics, 0 if math.isfinite(float(loss)) else 1
@@ -224,7 +218,6 @@ class Trainer:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), torch.no_grad():
             torch.manual_seed(self.cfg.data.seed + 7919 * (1 + self.dp_rank))
             if self.pipelined:
-
                 batches = [pipeline_batch(self._to_device(b)) for b in self.valid_loader]
                 if batches:
                     self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))

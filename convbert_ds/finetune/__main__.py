@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from convbert_ds.errors import exit_on_user_error
+from convbert_ds.errors import ArgumentParser, exit_on_user_error
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.recipe import PRECISIONS, Recipe
 from convbert_ds.finetune.run import RunSpec, run
@@ -20,14 +20,8 @@ from convbert_ds.finetune.tasks import TASK_TYPES, read_custom, read_glue
 from convbert_ds.fsutil import FORCE_FLAG
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit code 2 like every other bad input, not usage + message
-        raise FinetuneError(message)
-
-
 def _recipe_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("recipe (defaults: ConvBERT Table 6 and ELECTRA's fine-tuning settings)")
-    defaults = Recipe()
     helps = {
         "learning_rate": "peak LR (None: by model width, 3e-4 up to 512 wide, 1e-4 up to 768, else 5e-5)",
         "layerwise_lr_decay": "LR factor per layer below the top (1 turns the decay off)",
@@ -50,15 +44,13 @@ def _recipe_options(parser: argparse.ArgumentParser) -> None:
         "save_steps": "write the resumable state every N steps (and after every epoch)",
     }
     for field in dataclasses.fields(Recipe):
-        default = getattr(defaults, field.name)
         kind = {"int": int, "float": float, "str": str}[field.type.split(" ")[0]]
-        group.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=default,
+        group.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default,
                            help=helps[field.name])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m convbert_ds.finetune", description=__doc__.splitlines()[0],
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(prog="python -m convbert_ds.finetune", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
                         help="a transformers ConvBERT directory, or a convbert_ds.train checkpoint directory")
     parser.add_argument("--out", required=True, help="results.json, results.md, best/ and the resumable state")
@@ -81,17 +73,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def read_task(args: argparse.Namespace):
-    custom = [args.train, args.validation, args.text_column, args.label_column]
+    custom = {"--train": args.train, "--validation": args.validation, "--text-column": args.text_column,
+              "--label-column": args.label_column}
     if args.glue_task:
-        if any(custom):
+        if any(custom.values()):
             raise FinetuneError("--glue-task and the custom-task options (--train, --validation, ...) exclude each "
                                 "other; pass one kind of task")
         if not args.data_dir:
             raise FinetuneError(f"--glue-task {args.glue_task} needs --data-dir: the task's folder from the GLUE "
                                 "download")
         return read_glue(args.glue_task, args.data_dir)
-    missing = [name for name, value in zip(("--train", "--validation", "--text-column", "--label-column"), custom)
-               if not value]
+    missing = [name for name, value in custom.items() if not value]
     if missing:
         raise FinetuneError(f"no task: pass --glue-task NAME --data-dir DIR, or a custom task (missing "
                             f"{', '.join(missing)})")

@@ -54,8 +54,7 @@ def depth_of(num_layers: int):
     def depth(name: str) -> int:
         if name.startswith("classifier."):
             return num_layers + 2
-        match = _LAYER.match(name)
-        if match:
+        if match := _LAYER.match(name):
             return int(match.group(1)) + 1
         if name.startswith(("convbert.embeddings.", "convbert.embeddings_project.")):
             return 0
@@ -101,12 +100,6 @@ def evaluate(model, task: TaskData, evals: dict[str, Encoded], recipe: Recipe, d
             for split, data in evals.items()}
 
 
-def _save_state(path: Path, state: dict) -> None:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    write_bytes_atomically(path, buffer.getvalue())
-
-
 def train_seed(model: ConvBertForSequenceClassification, task: TaskData, train: Encoded, evals: dict[str, Encoded],
                recipe: Recipe, seed: int, place: Placement, state_dir: Path, log: Path) -> list[dict]:
     """Fine-tune ``model`` in place; returns the per-epoch history (the last entry is the final result)."""
@@ -137,8 +130,10 @@ def train_seed(model: ConvBertForSequenceClassification, task: TaskData, train: 
 
     def save() -> None:
         if place.main:
-            _save_state(state_file, {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                     "rng": rng_state(), "history": history})
+            buffer = io.BytesIO()
+            torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "rng": rng_state(), "history": history}, buffer)
+            write_bytes_atomically(state_file, buffer.getvalue())
         place.barrier()
 
     epoch_order: tuple[int, list[list[int]]] = (-1, [])  # (epoch, its batches): drawn once per epoch

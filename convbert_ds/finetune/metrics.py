@@ -105,13 +105,6 @@ def _arrays(predictions, references, dtype=np.int64) -> tuple[np.ndarray, np.nda
 
 def _average_ranks(values: np.ndarray) -> np.ndarray:
     """1-based ranks, ties given the mean of the ranks they span (scipy's rankdata 'average')."""
-    order = np.argsort(values, kind="stable")
-    ordered = values[order]
-    starts_run = np.concatenate(([True], ordered[1:] != ordered[:-1]))
-    run_of = np.cumsum(starts_run) - 1  # which run of equal values each sorted position is in
-    starts = np.flatnonzero(starts_run)
-    ends = np.append(starts[1:], len(values))  # exclusive
-    run_rank = (starts + 1 + ends) / 2  # mean of the 1-based ranks starts+1 .. ends
-    ranks = np.empty(len(values))
-    ranks[order] = run_rank[run_of]
-    return ranks
+    ordered = np.sort(values)
+    # A value's ties fill sorted positions [start, end): the mean of the 1-based ranks start+1 .. end.
+    return (np.searchsorted(ordered, values, "left") + 1 + np.searchsorted(ordered, values, "right")) / 2

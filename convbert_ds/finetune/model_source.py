@@ -21,9 +21,6 @@ from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.model import ConvBertForSequenceClassification, WeightsError
 from convbert_ds.model.hf_io import load_weights, read_config
 
-TOKENIZER_HINT = "tokenizer.json (as written by preprocessing.tokenizer and the converter)"
-
-
 @dataclass
 class ModelSource:
     hf_dir: Path  # a transformers ConvBERT directory with its tokenizer
@@ -47,14 +44,11 @@ def resolve_model(path, work_dir: Path, convert: bool = True) -> ModelSource:
     if not (path / "config.json").is_file() and _is_checkpoint(path):
         try:
             ckpt = open_checkpoint(path)
+            converted = work_dir / "converted" / ckpt.tag
+            if convert and not converted.is_dir():
+                convert_checkpoint(path, converted)
         except ConvertError as error:
             raise FinetuneError(f"--model {path}: {error}") from None
-        converted = work_dir / "converted" / ckpt.tag
-        if convert and not converted.is_dir():
-            try:
-                convert_checkpoint(path, converted)
-            except ConvertError as error:
-                raise FinetuneError(f"--model {path}: {error}") from None
         part = "discriminator" if ckpt.electra.objective == "electra" else "generator"
         description = f"{ckpt.directory} (step checkpoint, converted to {converted / part})"
         path = converted / part
@@ -66,7 +60,8 @@ def resolve_model(path, work_dir: Path, convert: bool = True) -> ModelSource:
     except (ConfigError, json.JSONDecodeError, TypeError) as error:
         raise FinetuneError(f"--model {path}/config.json: not a usable ConvBERT config ({error})") from None
     if not (path / "tokenizer.json").is_file():
-        raise FinetuneError(f"--model {path}: no tokenizer; the directory needs {TOKENIZER_HINT}")
+        raise FinetuneError(f"--model {path}: no tokenizer; the directory needs tokenizer.json (as written by "
+                            "preprocessing.tokenizer and the converter)")
     return ModelSource(path, config, description)
 
 

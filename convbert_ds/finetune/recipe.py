@@ -81,9 +81,6 @@ class Recipe:
             raise FinetuneError("--precision=bf16 needs a CUDA GPU; use fp32 (the default) on CPU")
         return resolved
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def default_learning_rate(hidden_size: int) -> float:
     """ELECTRA's fine-tuning rates: small (256) 3e-4, base (768) 1e-4, large (1024) 5e-5."""

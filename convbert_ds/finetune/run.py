@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -84,9 +84,8 @@ def _placement() -> Placement:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
@@ -98,7 +97,7 @@ def _settings(spec: RunSpec, recipe: Recipe, model_description: str) -> dict:
     return {"task": {"name": spec.task.name, "type": spec.task.task_type, "labels": spec.task.label_names,
                      "metric": spec.task.metric, "source": spec.task.source},
             "model": spec.model, "model_resolved": model_description,
-            "init": "random" if spec.random_init else "pretrained", "recipe": recipe.to_dict()}
+            "init": "random" if spec.random_init else "pretrained", "recipe": asdict(recipe)}
 
 
 def _main_first(place: Placement, work) -> None:
@@ -136,18 +135,16 @@ def _primary(task: TaskData, result: dict) -> float:
 
 def _save_best(model, source_dir: Path, out: Path, command: str, seed: int, final: dict) -> None:
     extra = {p.name: p.read_bytes() for p in tokenizer_files(source_dir)}
-    card = (f"# Fine-tuned ConvBERT (seed {seed})\n\nDev metrics: `{json.dumps(final)}`\n\n"
-            f"Made by:\n\n```\n{command}\n```\n")
-    extra["README.md"] = card.encode()
+    extra["README.md"] = (f"# Fine-tuned ConvBERT (seed {seed})\n\nDev metrics: `{json.dumps(final)}`\n\n"
+                          f"Made by:\n\n```\n{command}\n```\n").encode()
     model.save_hf_pretrained(out / BEST_DIR, extra_files=extra)
 
 
 def _report(spec: RunSpec, settings: dict, seeds: list[dict]) -> dict:
     task = spec.task
-    primary_split = next(iter(task.evals))
     values = [_primary(task, s["final"]) for s in seeds]
     best = max(seeds, key=lambda s: _primary(task, s["final"]))
-    results = {**settings, "command": spec.command, "primary": {"split": primary_split, "metric": task.metric},
+    results = {**settings, "command": spec.command, "primary": {"split": next(iter(task.evals)), "metric": task.metric},
                "seeds": [{"seed": s["seed"], "final": s["final"], "history": s["history"]} for s in seeds],
                "median": statistics.median(values), "best_seed": best["seed"], "best_dir": str(spec.out / BEST_DIR)}
     results["median_by_metric"] = {

@@ -95,7 +95,6 @@ def read_glue(task: str, data_dir) -> TaskData:
     root = Path(data_dir)
     files = {split: _glue_file(root, split, spec) for split in ("train", *spec.evals)}
     parsed = {split: _read_glue_file(path, spec) for split, path in files.items()}
-    columns = {"text": spec.text, "text_pair": spec.text_pair, "label": spec.label}
     return TaskData(
         name=name,
         task_type="classification" if spec.labels else "regression",
@@ -105,7 +104,7 @@ def read_glue(task: str, data_dir) -> TaskData:
         metric=spec.metric,
         source={"kind": "glue", "task": name, "data_dir": str(root.resolve()),
                 "files": {split: str(path.resolve()) for split, path in files.items()},
-                "columns": columns,
+                "columns": {"text": spec.text, "text_pair": spec.text_pair, "label": spec.label},
                 "skipped_malformed_rows": {split: skipped for split, (_, skipped) in parsed.items()}},
     )
 
@@ -163,8 +162,7 @@ def _read_glue_file(path: Path, spec: _GlueSpec) -> tuple[list[Example], int]:
 
 def _glue_columns(path: Path, header: list[str], spec: _GlueSpec, fix: str) -> tuple[int, int | None, int]:
     """Indices of the text, text-pair and label fields, found by name in the header."""
-    names = [spec.text, spec.label] + ([spec.text_pair] if spec.text_pair else [])
-    for name in names:
+    for name in filter(None, (spec.text, spec.label, spec.text_pair)):
         if name not in header:
             raise FinetuneError(f"{path}: column '{name}' not found in the header ({', '.join(header)}); {fix}")
     if spec.label_last and header[-1] != spec.label:
@@ -385,9 +383,7 @@ def _regression_labels(split: _Split, column: str) -> list[float]:
 
 def _class_name(value) -> str:
     """A label as a class name; whole numbers lose their ".0" so 1 and 1.0 name the same class."""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def _check_seen(split: _Split, column: str, labels: list[str], known: set[str]) -> None:

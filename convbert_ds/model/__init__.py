@@ -12,6 +12,7 @@ from convbert_ds.model.hf_io import WeightsError
 from convbert_ds.model.sdconv import dynamic_conv, dynamic_conv_reference
 
 __all__ = [
-    "ConvBertForMaskedLM", "ConvBertForPreTraining", "ConvBertForSequenceClassification", "ConvBertModel", "ElectraForPretraining", "InputError",
-    "PretrainingOutput", "WeightsError", "dynamic_conv", "dynamic_conv_reference", "mask_tokens",
+    "ConvBertForMaskedLM", "ConvBertForPreTraining", "ConvBertForSequenceClassification", "ConvBertModel",
+    "ElectraForPretraining", "InputError", "PretrainingOutput", "WeightsError", "dynamic_conv",
+    "dynamic_conv_reference", "mask_tokens",
 ]

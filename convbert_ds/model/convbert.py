@@ -20,7 +20,7 @@ from torch import nn
 from convbert_ds.config import ModelConfig
 from convbert_ds.errors import UserError
 from convbert_ds.model import hf_io
-from convbert_ds.model.layers import ConvBertEmbeddings, ConvBertLayer, activation, init_weights
+from convbert_ds.model.layers import ACTIVATIONS, ConvBertEmbeddings, ConvBertLayer, init_weights
 
 
 class InputError(UserError, ValueError):
@@ -97,17 +97,13 @@ class ConvBertModel(HFInterop, nn.Module):
             if embeddings is None or not name.startswith("embeddings."):
                 init_weights(module, config.initializer_range)
 
-    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embeddings(input_ids, token_type_ids)
-        if hasattr(self, "embeddings_project"):
-            hidden = self.embeddings_project(hidden)
-        return hidden
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
         if check:
             check_inputs(self.config, input_ids, attention_mask, token_type_ids)
-        hidden = self.embed(input_ids, token_type_ids)
+        hidden = self.embeddings(input_ids, token_type_ids)
+        if hasattr(self, "embeddings_project"):
+            hidden = self.embeddings_project(hidden)
         for layer in self.encoder.layer:
             if self.gradient_checkpointing and self.training:
                 hidden = torch.utils.checkpoint.checkpoint(layer, hidden, attention_mask, use_reentrant=False)
@@ -161,7 +157,7 @@ class ConvBertDiscriminatorPredictions(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act = activation(config.hidden_act)
+        self.act = ACTIVATIONS[config.hidden_act]
         self.dense_prediction = nn.Linear(config.hidden_size, 1)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -190,7 +186,7 @@ class ConvBertClassificationHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout = nn.Dropout(dropout)
-        self.act = activation(config.hidden_act)
+        self.act = ACTIVATIONS[config.hidden_act]
         self.out_proj = nn.Linear(config.hidden_size, num_labels)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -222,10 +218,6 @@ class ConvBertForSequenceClassification(HFInterop, nn.Module):
         self.classifier = ConvBertClassificationHead(config, self.num_labels, dropout)
         self.classifier.apply(lambda m: init_weights(m, config.initializer_range))
 
-    @property
-    def is_regression(self) -> bool:
-        return self.label_names is None
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.classifier(self.convbert(input_ids, attention_mask, token_type_ids))
@@ -234,14 +226,13 @@ class ConvBertForSequenceClassification(HFInterop, nn.Module):
         names = self.label_names or ["LABEL_0"]
         return {"id2label": {str(i): name for i, name in enumerate(names)},
                 "label2id": {name: i for i, name in enumerate(names)},
-                "problem_type": "regression" if self.is_regression else "single_label_classification",
+                "problem_type": "regression" if self.label_names is None else "single_label_classification",
                 "classifier_dropout": self.classifier_dropout}
 
     @classmethod
     def from_hf_pretrained(cls, directory, **config_overrides):
         """A ``ConvBertForSequenceClassification`` directory (labels read from its config.json)."""
-        with open(Path(directory) / "config.json") as f:
-            hf = json.load(f)
+        hf = json.loads((Path(directory) / "config.json").read_text())
         id2label = hf.get("id2label") or {}
         regression = hf.get("problem_type") == "regression"
         names = None if regression else [id2label[str(i)] for i in range(len(id2label))]

@@ -115,8 +115,7 @@ def rtd_loss(logits: torch.Tensor, is_replaced: torch.Tensor, attention_mask: to
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean binary cross-entropy over real tokens, and the discriminator's accuracy there."""
     weight = torch.ones_like(logits) if attention_mask is None else attention_mask.to(logits.dtype)
-    target = is_replaced.to(logits.dtype)
-    per_token = F.binary_cross_entropy_with_logits(logits.float(), target.float(), reduction="none")
+    per_token = F.binary_cross_entropy_with_logits(logits.float(), is_replaced.float(), reduction="none")
     count = weight.sum().clamp_min(1)
     loss = (per_token * weight).sum() / count
     accuracy = (((logits.detach() > 0) == is_replaced).to(weight.dtype) * weight).sum() / count

@@ -83,8 +83,8 @@ def save(model: torch.nn.Module, directory, architecture: str, extra_files: dict
     config = model.config
     if not isinstance(config, ModelConfig):
         raise ConfigError(f"cannot save {type(model).__name__}: it has no ModelConfig")
-    hf_config = {**config.to_hf_dict([architecture]), **(extra_config or {})}
-    hf_config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    hf_config = {**config.to_hf_dict([architecture]), **(extra_config or {}),
+                 "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
 
     def fill(tmp: Path) -> None:
         # Contiguous CPU tensors; a tied tensor is written once per name, as transformers expects.

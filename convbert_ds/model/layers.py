@@ -16,17 +16,13 @@ from torch import nn
 from convbert_ds.config import ModelConfig
 from convbert_ds.model.sdconv import dynamic_conv
 
-_ACTIVATIONS = {
+ACTIVATIONS = {  # config.hidden_act -> function
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
     "silu": F.silu,
     "tanh": torch.tanh,
 }
-
-
-def activation(name: str):
-    return _ACTIVATIONS[name]
 
 
 class ConvBertEmbeddings(nn.Module):
@@ -41,8 +37,7 @@ class ConvBertEmbeddings(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        seq_len = input_ids.shape[1]
-        position_ids = torch.arange(seq_len, device=input_ids.device)
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
         if token_type_ids is None:
             embeddings = embeddings + self.token_type_embeddings.weight[0]
@@ -63,8 +58,7 @@ class SeparableConv1D(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[B, T, C_in]`` -> ``[B, T, C_out]``."""
-        y = self.pointwise(self.depthwise(x.transpose(1, 2))) + self.bias
-        return y.transpose(1, 2)
+        return (self.pointwise(self.depthwise(x.transpose(1, 2))) + self.bias).transpose(1, 2)
 
 
 class ConvBertSelfAttention(nn.Module):
@@ -123,10 +117,12 @@ class ConvBertSelfAttention(nn.Module):
 
 
 class ConvBertSelfOutput(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Dense, dropout, residual, LayerNorm; ``dense`` None: the projection of the mixed attention's output."""
+
+    def __init__(self, config: ModelConfig, dense: nn.Module | None = None):
         super().__init__()
         in_width = config.attention_width * (2 if config.has_conv else 1)
-        self.dense = nn.Linear(in_width, config.hidden_size)
+        self.dense = nn.Linear(in_width, config.hidden_size) if dense is None else dense
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -173,21 +169,15 @@ class ConvBertIntermediate(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.dense = _ffn_linear(config.hidden_size, config.intermediate_size, config.num_groups)
-        self.act = activation(config.hidden_act)
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.act(self.dense(hidden_states))
 
 
-class ConvBertOutput(nn.Module):
+class ConvBertOutput(ConvBertSelfOutput):
     def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.dense = _ffn_linear(config.intermediate_size, config.hidden_size, config.num_groups)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dropout(self.dense(hidden_states)) + residual)
+        super().__init__(config, _ffn_linear(config.intermediate_size, config.hidden_size, config.num_groups))
 
 
 class ConvBertLayer(nn.Module):
@@ -207,7 +197,7 @@ class ConvBertLayer(nn.Module):
 @torch.no_grad()
 def init_weights(module: nn.Module, std: float) -> None:
     """BERT's initialisation, as transformers applies it to ConvBERT."""
-    if isinstance(module, (nn.Linear, nn.Conv1d)):
+    if isinstance(module, (nn.Linear, nn.Conv1d, GroupedLinear)):
         module.weight.normal_(0.0, std)
         if module.bias is not None:
             module.bias.zero_()
@@ -217,9 +207,6 @@ def init_weights(module: nn.Module, std: float) -> None:
             module.weight[module.padding_idx].zero_()
     elif isinstance(module, nn.LayerNorm):
         module.weight.fill_(1.0)
-        module.bias.zero_()
-    elif isinstance(module, GroupedLinear):
-        module.weight.normal_(0.0, std)
         module.bias.zero_()
     elif isinstance(module, SeparableConv1D):
         module.bias.zero_()

@@ -14,12 +14,10 @@ def applies_weight_decay(name: str, param: torch.Tensor) -> bool:
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Two groups, with and without weight decay; a parameter shared under two names appears once."""
-    decay, no_decay, seen = [], [], set()
-    for name, param in model.named_parameters():
-        if not param.requires_grad or id(param) in seen:
-            continue
-        seen.add(id(param))
-        (decay if applies_weight_decay(name, param) else no_decay).append(param)
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():  # lists a shared tensor once, under its first name
+        if param.requires_grad:
+            (decay if applies_weight_decay(name, param) else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -31,11 +29,9 @@ def layerwise_param_groups(model: torch.nn.Module, lr: float, weight_decay: floa
     Each group records its ``depth`` and its ``base_lr`` (the schedule scales that).
     """
     groups: dict[tuple[int, bool], dict] = {}
-    seen = set()
-    for name, param in model.named_parameters():
-        if not param.requires_grad or id(param) in seen:
+    for name, param in model.named_parameters():  # lists a shared tensor once, under its first name
+        if not param.requires_grad:
             continue
-        seen.add(id(param))
         depth, decays = depth_of(name), applies_weight_decay(name, param)
         if not 0 <= depth <= max_depth:
             raise ValueError(f"parameter {name}: depth {depth} outside [0, {max_depth}]")

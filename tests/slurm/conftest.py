@@ -1,15 +1,3 @@
-"""The Slurm tests' cluster: real ``slurmctld`` + ``slurmd`` on loopback (``slurm_cluster.py``), started once."""
-
-import pytest
-
-from slurm_cluster import SlurmCluster, SlurmUnavailable
-
-
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """A real one-node Slurm cluster on loopback (tests/slurm/slurm_cluster.py), started once for the session."""
-    try:
-        with SlurmCluster(tmp_path_factory.mktemp("slurm")) as slurm:  # stops the daemons however we leave
-            yield slurm
-    except SlurmUnavailable as error:  # only start() raises it: no slurm-wlm and no way to install it
-        pytest.skip(str(error))
+"""Slurm tests: the real job scripts under sbatch on the session's one-node cluster (the root conftest's
+``cluster`` fixture, ``slurm_cluster.py``): both launchers, preemption and requeue, the up-front checks,
+the sharding array job. Marked ``slow``."""

@@ -28,16 +28,9 @@ embedding and hidden widths differ); indices do not depend on the number of stag
 decides which stage runs each layer. The ``mlm`` objective ends at layer 6 (output layer only) and its
 shared embeddings are ``generator.convbert.embeddings.``.
 
-Every layer passes one tuple to the next (``layers.py``): an int64 ``[fields, B, T]`` tensor with
-the integer fields, then the floats in the model's dtype, each of which gets a gradient. What crosses
-a boundary depends on where it falls: after masking, ids, masked ids, attention mask, token types,
-MLM labels and the micro-batch's random-stream seed; through the generator, its hidden states
-``[B, T, E]`` then ``[B, T, H_gen]`` (+ ids, mask, token types, labels, seed); after its head, the
-transformed hidden states ``[B, T, E]`` and the output bias ``[V]``; through the discriminator, its
-hidden states ``[B, T, E]`` then ``[B, T, H]`` and the MLM loss ``[]`` (+ replaced flags, mask, and
-the exact float32 MLM loss and accuracy as bit patterns); the last stage turns the RTD logits
-``[B, T]`` into the loss. The data iterator's labels are empty: nothing the loss needs comes from
-the last stage's own batch.
+Every layer passes one tuple to the next: a ``NamedTuple`` of ``layers.py`` (which explains its form,
+an int64 ``[fields, B, T]`` tensor then the floats), holding what the rest of the step needs after that
+layer. The data iterator's labels are empty: nothing the loss needs comes from the last stage's own batch.
 """
 
 from convbert_ds.engine.pipeline.layers import draw_stream_seed

@@ -21,6 +21,7 @@ The parameterised layers are the model's own classes (``ConvBertEmbeddings``, ``
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -237,16 +238,6 @@ class GeneratorHead(nn.Module):
                                             s.mlm_labels, s.stream_seed))
 
 
-class _TiedOutput:
-    """The ``head`` that ``mlm_loss_and_sample`` calls: transformed hidden states -> logits over the shared table."""
-
-    def __init__(self, table: torch.Tensor, bias: torch.Tensor):
-        self.table, self.bias = table, bias
-
-    def head(self, transformed: torch.Tensor) -> torch.Tensor:
-        return F.linear(transformed, self.table, self.bias)
-
-
 def generator_output_forward(embeddings: SharedEmbeddings, inputs, config: ElectraConfig) -> tuple:
     """The shared table as the generator's output layer: MLM loss and accuracy; for ELECTRA also the Gumbel
     sample, the corrupted sequence, and the table again as the discriminator's embeddings."""
@@ -254,9 +245,12 @@ def generator_output_forward(embeddings: SharedEmbeddings, inputs, config: Elect
     electra = config.objective == "electra"
     stream = torch.Generator(device=s.input_ids.device).manual_seed(int(s.stream_seed[0, 0]))
     mask_tokens(s.input_ids, s.attention_mask, config, generator=stream)  # replay: on to the Gumbel draws
+    # The ``head`` that mlm_loss_and_sample calls: transformed hidden states -> logits over the shared table.
+    table = embeddings.word_embeddings.weight
+    tied_output = SimpleNamespace(head=lambda transformed: F.linear(transformed, table, s.lm_bias))
     with _global_rng_at(stream):
-        mlm, accuracy, sampled = mlm_loss_and_sample(_TiedOutput(embeddings.word_embeddings.weight, s.lm_bias),
-                                                     s.transformed, s.mlm_labels, config.temperature, sample=electra)
+        mlm, accuracy, sampled = mlm_loss_and_sample(tied_output, s.transformed, s.mlm_labels, config.temperature,
+                                                     sample=electra)
     accuracy_bits = float_row(accuracy, s.input_ids)
     if not electra:
         return to_pipe(MaskedLMOutput(mlm, accuracy_bits))

@@ -71,12 +71,8 @@ def _layer_plan(config: ElectraConfig, seed: int | None = None) -> list[tuple[La
 
 
 def pipeline_layer_names(config: ElectraConfig) -> dict[int, str]:
-    """Pipeline layer index -> the plain ``ElectraForPretraining`` prefix of that layer's parameters.
-
-    A key ``k`` in ``layer_{index:02d}-model_states.pt`` is the plain parameter ``prefix + k``. Absent: the
-    masking layer (no parameters) and the later use of the shared embeddings (no file; the table is in
-    the first use's). The indices do not depend on the number of stages.
-    """
+    """Pipeline layer index -> the plain ``ElectraForPretraining`` prefix of that layer's parameters (see the
+    package docstring); the layers without a file of their own are absent."""
     return {index: prefix for index, (_, prefix) in enumerate(_layer_plan(config)) if prefix is not None}
 
 
@@ -142,7 +138,6 @@ def load_plain_state_dict(module: PipelineModule, state_dict: dict[str, torch.Te
     Every parameter a local layer holds must be in ``state_dict`` (KeyError otherwise).
     """
     names = pipeline_layer_names(module.electra_config)
-    shared_prefix = names[1]
 
     def load(layer: nn.Module, prefix: str) -> None:
         layer.load_state_dict({key: state_dict[prefix + key] for key in layer.state_dict()})
@@ -152,7 +147,7 @@ def load_plain_state_dict(module: PipelineModule, state_dict: dict[str, torch.Te
         if prefix is not None:
             load(layer, prefix)
     for shared in module.tied_modules.values():  # also the copies that no layer file holds
-        load(shared, shared_prefix)
+        load(shared, names[1])
 
 
 def pipeline_metrics(engine) -> dict[str, float]:
@@ -161,8 +156,7 @@ def pipeline_metrics(engine) -> dict[str, float]:
     Averaged over its micro-batches and the data-parallel replicas; a collective: every rank calls it
     and gets the same dict.
     """
-    module = engine.module
-    loss_fn: ElectraPipelineLoss = module.loss_fn
+    loss_fn: ElectraPipelineLoss = engine.module.loss_fn
     values = torch.zeros(len(loss_fn.names), device=engine.device)
     if engine.is_last_stage():
         # The engine resets fwd_outputs at every schedule: one loss per micro-batch of the last step.
@@ -185,8 +179,7 @@ def pipeline_batch(batch: dict[str, torch.Tensor]) -> tuple:
     first stage and travels down the pipe, so the last stage's batch cannot disagree with the first's.
     """
     input_ids = batch["input_ids"].long()
-    attention_mask = batch.get("attention_mask")
-    token_type_ids = batch.get("token_type_ids")
+    attention_mask, token_type_ids = batch.get("attention_mask"), batch.get("token_type_ids")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids.long()
     return (input_ids, attention_mask, token_type_ids), ()

@@ -10,7 +10,7 @@ Stopping cancels every job, waits for the queue to drain, stops both daemons, an
 kills, by pid, any process still carrying this cluster's marker variable in its environment
 (a job step or ``slurmstepd`` that outlived its daemon).
 
-Run it by hand to experiment: ``python tests/slurm/slurm_cluster.py`` starts a cluster and prints the
+Run it by hand to experiment: ``python tests/slurm_cluster.py`` starts a cluster and prints the
 ``SLURM_CONF`` to export; Ctrl-C stops it.
 """
 

@@ -16,7 +16,6 @@ import os
 import socket
 import subprocess
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -113,6 +112,8 @@ def init_process_group(backend: str | None = None) -> str:
     until /dev/shm filled memory and the OOM killer stopped later runs. Once every rank has mapped every
     buffer (init_distributed returns only then) the names are not needed: each rank unlinks its own.
     """
+    import deepspeed  # here: rank discovery stays light, and DeepSpeed logs to stdout when imported
+
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     dist.barrier()

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(dataclasses.asdict(plan), indent=2, default=str))
     if args.check_config:
         print(f"config valid for {world_size} processes: precision={plan.precision} zero_stage={plan.zero_stage} "
-              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum}\ncheckpoint_dir={cfg.checkpoint.dir}")
+              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum}")
+        print(f"checkpoint_dir={cfg.checkpoint.dir}")  # the line the Slurm scripts read
     if args.print_config or args.check_config:
         return 0
     trainer = Trainer(plan)

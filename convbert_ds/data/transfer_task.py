@@ -337,9 +337,9 @@ def main(argv: list[str] | None = None) -> None:
     corpus.add_argument("--max-bytes", type=int, default=None, help="stop after about this many bytes")
     task = sub.add_parser("task", help="write the downstream task (train.jsonl, validation.jsonl)")
     task.add_argument("--out", required=True, help="folder to write")
-    task.add_argument("--train-per-class", type=int, default=500)
-    task.add_argument("--dev-per-class", type=int, default=100)
-    task.add_argument("--seed", type=int, default=0)
+    task.add_argument("--train-per-class", type=int, default=500, help="training examples per class")
+    task.add_argument("--dev-per-class", type=int, default=100, help="validation examples per class")
+    task.add_argument("--seed", type=int, default=0, help="seed of the example draw")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.command == "corpus":

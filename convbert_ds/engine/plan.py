@@ -94,9 +94,9 @@ def load_ds_config(cfg: TrainConfig) -> dict:
     if "activation_checkpoint_interval" in (raw.get("pipeline") or {}):
         owned.append(("pipeline.activation_checkpoint_interval", "train.activation_checkpointing"))
     if owned:
-        key, use = owned[0]
+        (key, use), also = owned[0], ", ".join(k for k, _ in owned[1:])
         raise ConfigError(f"{where}: {key} is set by the trainer from the training config; delete it there and "
-                          f"set {use} instead" + (f" (also: {', '.join(k for k, _ in owned[1:])})" if owned[1:] else ""))
+                          f"set {use} instead" + (f" (also: {also})" if also else ""))
     return json.loads(json.dumps(raw))
 
 
@@ -197,10 +197,10 @@ def _check_combinations(cfg: TrainConfig, world_size: int) -> int:
         if bool(d.glue_task) == bool(d.train or d.validation):
             raise ConfigError("eval.downstream: give either glue_task + data_dir or train + validation (a custom "
                               "task as python -m convbert_ds.finetune takes it)")
-        names = ("data_dir",) if d.glue_task else ("train", "validation")
-        for name in names:
-            if not getattr(d, name) or not Path(getattr(d, name)).exists():
-                raise ConfigError(f"eval.downstream.{name}={getattr(d, name)!r}: not found; point it at the task's files")
+        for name in ("data_dir",) if d.glue_task else ("train", "validation"):
+            value = getattr(d, name)
+            if not value or not Path(value).exists():
+                raise ConfigError(f"eval.downstream.{name}={value!r}: not found; point it at the task's files")
         if d.nice > 19:
             raise ConfigError(f"eval.downstream.nice={d.nice}: use a priority in [0, 19]")
     return t.global_batch_size // per_step
@@ -227,10 +227,10 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     train_splits = [open_split(path, "train") for path, _ in sets]
     check_same_tokenizer(train_splits)
     first = train_splits[0]
-    if cfg.model.init_from_hf and read_init(cfg.model.init_from_hf)["tokenizer"]["sha256"] != first.tokenizer.get(
-            "sha256"):
-        raise ConfigError(f"model.init_from_hf={cfg.model.init_from_hf!r}: the shards were made with another "
-                          f"tokenizer; shard the corpus with --tokenizer {cfg.model.init_from_hf}/tokenizer")
+    init = cfg.model.init_from_hf
+    if init and read_init(init)["tokenizer"]["sha256"] != first.tokenizer.get("sha256"):
+        raise ConfigError(f"model.init_from_hf={init!r}: the shards were made with another tokenizer; shard the "
+                          f"corpus with --tokenizer {init}/tokenizer")
     return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
                    electra=_electra_config(cfg, first.vocab_size, first.special_ids), sets=sets,
                    tokenizer=first.tokenizer, has_valid=all(_has_valid(path) for path, _ in sets))

@@ -41,7 +41,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
         spec = getattr(sys.modules["__main__"], "__spec__", None)
-        if spec is not None:  # started as ``python -m MODULE``: say so in usage and errors, not "__main__.py"
+        if spec is not None and spec.name.split(".")[0] in ("convbert_ds", "preprocessing"):
+            # started as ``python -m MODULE``: say so in usage and errors, not "__main__.py"
             kwargs.setdefault("prog", f"python -m {spec.name.removesuffix('.__main__')}")
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
 

@@ -210,7 +210,10 @@ def _has_valid(path: Path) -> bool:
     """Whether a shard dir has documents to evaluate on; a damaged validation split is an error, not a
     reason to run without evaluation."""
     split = read_manifest(path, verify=False)["splits"].get("valid")
-    return bool(split and split["documents"]) and bool(open_split(path, "valid"))
+    if not (split and split["documents"]):
+        return False
+    open_split(path, "valid")  # raises, naming the damage, if a shard file is missing or truncated
+    return True
 
 
 def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunPlan:

@@ -224,11 +224,17 @@ class PackedDataset(MappedRecords, torch.utils.data.Dataset):
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
         a, b = self.tokens(int(i) % len(self))
-        n = 3 + len(a) + len(b)
+        # Filled in place: this runs for every sample the loader yields, so no temporary arrays.
+        n_a, n_b = len(a), len(b)
         input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
-        input_ids[:n] = np.concatenate([[self.cls_id], a, [self.sep_id], b, [self.sep_id]])
+        input_ids[0] = self.cls_id
+        input_ids[1:1 + n_a] = a
+        input_ids[1 + n_a] = self.sep_id
+        input_ids[2 + n_a:2 + n_a + n_b] = b
+        input_ids[2 + n_a + n_b] = self.sep_id
         token_type_ids = np.zeros(self.seq_len, dtype=np.int64)
-        token_type_ids[2 + len(a):n] = 1
-        attention_mask = (np.arange(self.seq_len) < n).astype(np.int64)
+        token_type_ids[2 + n_a:3 + n_a + n_b] = 1
+        attention_mask = np.zeros(self.seq_len, dtype=np.int64)
+        attention_mask[:3 + n_a + n_b] = 1
         return {"input_ids": torch.from_numpy(input_ids), "token_type_ids": torch.from_numpy(token_type_ids),
                 "attention_mask": torch.from_numpy(attention_mask)}

@@ -21,9 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from convbert_ds.config import ConfigError, ElectraConfig
 from convbert_ds.engine import checkpoint as ckpt_layout
+from convbert_ds.engine import universal
+from convbert_ds.engine.universal import Layout
 from convbert_ds.formats.init_dir import ConvertError, match_weights
 from convbert_ds.model import ElectraForPretraining, WeightsError
 from convbert_ds.model.optim import param_groups
@@ -47,9 +50,7 @@ class Checkpoint:
         return self.root / self.tag
 
     def describe(self) -> str:
-        layout = f"pipeline ({self.stages} stages), ZeRO-{self.zero_stage}" if self.stages > 1 else \
-            f"ZeRO-{self.zero_stage}"
-        return f"{layout}, {self.world_size} ranks, {self.precision}"
+        return str(Layout.of_checkpoint(self.state))
 
 
 def open_checkpoint(checkpoint_dir, tag: str | None = None) -> Checkpoint:
@@ -216,6 +217,11 @@ def _pipeline_state(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
 
 def read_state_dict(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     """(fp32 weights under ``ElectraForPretraining`` names, incl. tied aliases; where they came from)."""
+    converted = ckpt.directory / universal.UNIVERSAL
+    if (converted / universal.META).is_file():  # what a resume on another layout made: the same fp32 masters
+        weights = load_file(str(converted / "fp32.safetensors"))
+        source = f"fp32 master weights of the universal copy ({ckpt.describe()} before conversion)"
+        return complete_aliases(weights, ckpt.electra, f"checkpoint {converted}"), source
     check_files(ckpt)
     if ckpt.stages > 1:
         weights, source = _pipeline_state(ckpt)

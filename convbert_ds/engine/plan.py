@@ -25,8 +25,10 @@ from convbert_ds.config import (
 )
 from convbert_ds.data.loader import parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split
+from convbert_ds.engine.checkpoint import TRAINER_STATE, latest_complete
 from convbert_ds.engine.pipeline import check_pipeline_ds_config
 from convbert_ds.engine.train_config import TrainConfig
+from convbert_ds.engine.universal import Layout
 from convbert_ds.formats.shard_manifest import read_manifest
 from convbert_ds.formats.init_dir import init_generator_config, init_model_config, read_init
 
@@ -45,6 +47,10 @@ TRAINER_OWNED_DS_KEYS = {
 }
 # What may change in a published model's config when pretraining continues from it (model.init_from_hf).
 INIT_SAFE_OVERRIDES = ("sdconv_impl", "hidden_dropout_prob", "attention_probs_dropout_prob")
+# What a resumed checkpoint must share with the run: the networks and the special tokens (the masking rate
+# and the loss weight may change between runs).
+_ARCHITECTURE_KEYS = ("discriminator", "generator", "objective", "tie_generator_body", "mask_token_id",
+                      "special_token_ids")
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,10 @@ class RunPlan:
     @property
     def zero_stage(self) -> int:
         return self.ds_config.get("zero_optimization", {}).get("stage", 0)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.world_size, self.zero_stage, self.cfg.pipeline.stages, self.precision)
 
 
 def resolve_ds_path(value: str) -> Path:
@@ -216,6 +226,33 @@ def _has_valid(path: Path) -> bool:
     return True
 
 
+def _differences(saved, now, path: str = "") -> list[str]:
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return [d for key in sorted(set(saved) | set(now)) if key not in INIT_SAFE_OVERRIDES
+                for d in _differences(saved.get(key), now.get(key), f"{path}.{key}" if path else key)]
+    return [] if saved == now else [f"{path}={saved!r} there, {now!r} here"]
+
+
+def _check_resumable(cfg: TrainConfig, electra: ElectraConfig, tokenizer: dict) -> None:
+    """A checkpoint this run would resume must hold the same model, made from the same tokenizer: any
+    layout can be resumed, another model cannot (its weights would not fit, or would mean other tokens)."""
+    directory = Path(cfg.checkpoint.dir)
+    tag = latest_complete(directory)
+    if tag is None:
+        return
+    state = json.loads((directory / tag / TRAINER_STATE).read_text())
+    fix = "resume with the model config it was trained with, or set checkpoint.dir to a new directory"
+    saved_model = {k: v for k, v in state.get("electra_config", {}).items() if k in _ARCHITECTURE_KEYS}
+    model = json.loads(json.dumps({k: v for k, v in electra.to_dict().items() if k in _ARCHITECTURE_KEYS}))
+    changed = _differences(saved_model, model)
+    if changed:
+        raise ConfigError(f"checkpoint.dir={str(directory)!r} holds a run of another model ({tag}: "
+                          f"{'; '.join(changed[:3])}); {fix}")
+    if "tokenizer" in state and state["tokenizer"].get("sha256") != tokenizer.get("sha256"):
+        raise ConfigError(f"checkpoint.dir={str(directory)!r} holds a run on shards of another tokenizer ({tag}); "
+                          f"shard the corpus with that run's tokenizer, or set checkpoint.dir to a new directory")
+
+
 def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunPlan:
     """Check everything that needs no process group and resolve the run (see the module docstring)."""
     grad_accum = _check_combinations(cfg, world_size)
@@ -234,6 +271,8 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     if init and read_init(init)["tokenizer"]["sha256"] != first.tokenizer.get("sha256"):
         raise ConfigError(f"model.init_from_hf={init!r}: the shards were made with another tokenizer; shard the "
                           f"corpus with --tokenizer {init}/tokenizer")
+    electra = _electra_config(cfg, first.vocab_size, first.special_ids)
+    _check_resumable(cfg, electra, first.tokenizer)
     return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
-                   electra=_electra_config(cfg, first.vocab_size, first.special_ids), sets=sets,
-                   tokenizer=first.tokenizer, has_valid=all(_has_valid(path) for path, _ in sets))
+                   electra=electra, sets=sets, tokenizer=first.tokenizer,
+                   has_valid=all(_has_valid(path) for path, _ in sets))

@@ -97,6 +97,10 @@ class CheckpointSection:
         "runs/default/checkpoints"
     interval: Annotated[int, Key("steps between checkpoints", min=1)] = 1000
     keep_last: Annotated[int, Key("complete checkpoints kept", min=1)] = 3
+    verify: Annotated[Literal["size", "checksum"], Key(
+        "how the checkpoint to resume from is checked against its manifest: size (a stat per file) or "
+        "checksum (also sha256: a bit flip does not change a size; about a second per GB, once per start)")] = \
+        "checksum"
 
 
 @dataclass

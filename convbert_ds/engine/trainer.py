@@ -11,12 +11,13 @@ from collections import defaultdict
 from pathlib import Path
 
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from convbert_ds.data.loader import build_dataloader
-from convbert_ds.engine import checkpoint
+from convbert_ds.engine import checkpoint, universal
 from convbert_ds.engine.downstream_probe import DownstreamProbes
 from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
 from convbert_ds.engine.pipeline import (
@@ -26,6 +27,8 @@ from convbert_ds.engine.pipeline import (
     pipeline_metrics,
 )
 from convbert_ds.engine.plan import RunPlan
+from convbert_ds.engine.universal import Layout
+from convbert_ds.errors import UserError
 from convbert_ds.engine.train_config import DownstreamSection
 from convbert_ds.formats.init_dir import load_init_weights
 from convbert_ds.model import ElectraForPretraining
@@ -168,15 +171,50 @@ class Trainer:
             if removed:
                 print(f"removed incomplete checkpoint(s) {removed} (an interrupted save)", flush=True)
         dist.barrier()
-        tag = checkpoint.latest_complete(self.ckpt_dir)
+        tag = checkpoint.agreed_resume_tag(self.ckpt_dir, self.cfg.checkpoint.verify)
         if tag is None:
             return
-        state = checkpoint.load(self.engine, self.ckpt_dir, tag)
+        state = json.loads((self.ckpt_dir / tag / checkpoint.TRAINER_STATE).read_text())
+        saved, now = Layout.of_checkpoint(state), self.plan.layout
+        if saved == now:  # the bit-exact path: every rank reads its own files
+            checkpoint.load(self.engine, self.ckpt_dir, tag)
+            changed = ""
+        else:
+            changed = self._load_other_layout(tag, saved)
         self.train_loader.load_state_dict(state["data"])
         self.step, self.nonfinite_total = state["step"], state.get("nonfinite_total", 0)
         if self.is_logger:
             print(f"resumed from {self.ckpt_dir / tag} at step {self.step} "
-                  f"({state['data']['consumed_samples']} samples consumed)", flush=True)
+                  f"({state['data']['consumed_samples']} samples consumed){changed}", flush=True)
+            before = state.get("config", {}).get("train", {}).get("global_batch_size")
+            if before not in (None, self.cfg.train.global_batch_size):
+                print(f"train.global_batch_size changed from {before} to {self.cfg.train.global_batch_size}: "
+                      "the sample stream goes on where it stopped, each step now takes the new batch, and the "
+                      "learning-rate schedule still counts steps", flush=True)
+
+    def _load_other_layout(self, tag: str, saved: Layout) -> str:
+        """Resume a checkpoint written in another layout through its universal copy (converted once by
+        rank 0, kept beside the checkpoint for the next resume); returns the log line's addition."""
+        tag_dir = self.ckpt_dir / tag
+        error = None
+        if dist.get_rank() == 0:
+            cached = (tag_dir / universal.UNIVERSAL / universal.META).is_file()
+            if not cached:
+                print(f"converting {tag_dir} ({saved}) to a universal checkpoint for {self.plan.layout}", flush=True)
+            try:
+                universal.convert(tag_dir, saved, self.electra)
+            except (UserError, OSError) as exc:  # every rank must hear of it, or the others wait forever
+                error = f"{type(exc).__name__}: {exc}"
+        message = [error]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is not None:
+            raise universal.ReshapeError(f"cannot resume {tag_dir} in another layout: {message[0]}")
+        universal.load_into(self.engine, tag_dir / universal.UNIVERSAL, self.electra, self.pipelined)
+        # The saved random streams belong to the old ranks; new ones, the same on every rerun.
+        seed = np.random.SeedSequence([self.cfg.train.seed, int(tag_dir.name[4:]), dist.get_rank()])
+        torch.manual_seed(int(seed.generate_state(1)[0]))
+        return (f"; layout changed: {saved} -> {self.plan.layout} (through {tag_dir / universal.UNIVERSAL}, kept "
+                "for the next resume; random streams reseeded)")
 
     # The loop ---------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
@@ -240,7 +278,9 @@ class Trainer:
         dist.all_reduce(packed)
         return {k: packed[i].item() / max(packed[-1].item(), 1) for i, k in enumerate(keys)}
 
-    def save(self):
+    def save(self, final: bool = False) -> bool:
+        """Save a checkpoint; False (on every rank) when it failed. A failed save is a warning and the next
+        interval retries; a failed ``final`` one (the run's last) is an error the caller exits on."""
         state = {
             "step": self.step, "data": self.train_loader.state_dict(), "nonfinite_total": self.nonfinite_total,
             "samples_seen": self.train_loader.consumed_samples,
@@ -250,10 +290,18 @@ class Trainer:
             "zero_stage": self.plan.zero_stage,
             "tokenizer": self.plan.tokenizer, "data_sets": [{"path": str(p), "weight": w} for p, w in self.sets],
         }
-        tag = checkpoint.save(self.engine, self.ckpt_dir, self.step, state, self.cfg.checkpoint.keep_last)
+        try:
+            tag = checkpoint.save(self.engine, self.ckpt_dir, self.step, state, self.cfg.checkpoint.keep_last)
+        except checkpoint.SaveFailed as error:
+            if self.is_logger:
+                interval = self.cfg.checkpoint.interval
+                next_step = min(self.step - self.step % interval + interval, self.cfg.train.steps)
+                print(error.final_line(self.step) if final else error.retry_line(next_step), flush=True)
+            return False
         if self.is_logger:
             print(f"saved checkpoint {self.ckpt_dir / tag}", flush=True)
             self.probes.after_save(self.step, self.ckpt_dir / tag)
+        return True
 
     def train(self, preemption: Preemption) -> int:
         cfg, t = self.cfg, self.cfg.train
@@ -275,23 +323,22 @@ class Trainer:
                 self._log_step(metrics, elapsed)
             if cfg.eval.interval and self.step % cfg.eval.interval == 0:
                 self._log_eval()
-            if self.step % cfg.checkpoint.interval == 0:
-                self.save()
+            # A failed save leaves saved_at behind: the next interval, or the run's last save, tries again.
+            if self.step % cfg.checkpoint.interval == 0 and self.step < t.steps and self.save():
                 saved_at = self.step
             if preemption.agreed(self.device):
-                if saved_at != self.step:
-                    self.save()
+                if saved_at != self.step and not self.save(final=True):
+                    return checkpoint.EXIT_NOT_SAVED
                 if self.is_logger:
                     print(f"preempted at step {self.step}: checkpoint saved, exiting with {EXIT_PREEMPTED}",
                           flush=True)
                 return EXIT_PREEMPTED
-        if saved_at != self.step:
-            self.save()
+        saved = saved_at == self.step or self.save(final=True)
         if cfg.eval.interval and self.step % cfg.eval.interval:
             self._log_eval()
         self.probes.wait()
         self.log.close()
-        return 0
+        return 0 if saved else checkpoint.EXIT_NOT_SAVED
 
     def _log_step(self, metrics: dict, elapsed: float) -> None:
         t = self.cfg.train

@@ -52,5 +52,5 @@ def test_mpirun_two_ranks_train_and_checkpoint(tiny_corpus, tmp_path):
     rows = train_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(math.isfinite(r["loss"]) for r in rows)
     checkpoint = tmp_path / "checkpoints" / "step00000004"
-    assert (checkpoint / "COMPLETE").read_text().strip() == "2"
+    assert json.loads((checkpoint / "COMPLETE").read_text())["world_size"] == 2
     assert sorted(p.name for p in checkpoint.glob("rng_rank*.pt")) == ["rng_rank00000.pt", "rng_rank00001.pt"]

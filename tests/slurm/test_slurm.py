@@ -194,6 +194,24 @@ def test_preemption_requeue_limit_and_cancel_all_resume_exactly(cluster, tiny_co
     same_steps(train_rows(run), reference["rows"])
 
 
+def test_resubmitted_on_another_shape_the_run_goes_on(cluster, tiny_corpus, reference, tmp_path):
+    """Half the run on 2 processes, then the same script resubmitted with 1: the second job converts the
+    checkpoint to its layout and goes on with the sample stream where the first stopped."""
+    run, half = tmp_path / "run", STEPS // 2
+    args = train_args(tiny_corpus["shards"], run)
+    first = submit(cluster, tmp_path, "pretrain.sbatch", *args, f"train.steps={half}", options=SRUN_SHAPE)
+    expect_completed(cluster, first, tmp_path)
+    smaller = ("--ntasks-per-node=1", "--gpus-per-node=1", *SRUN_SHAPE[2:])
+    second = submit(cluster, tmp_path, "pretrain.sbatch", *args, options=smaller)
+    expect_completed(cluster, second, tmp_path)
+    log = job_log(tmp_path, second)
+    assert "launcher=slurm world_size=1" in log
+    assert f"at step {half}" in log and "layout changed: 2 ranks, ZeRO-2, fp32 -> 1 rank, ZeRO-2, fp32" in log
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["consumed_samples"] for r in rows] == [r["consumed_samples"] for r in reference["rows"]]
+
+
 @pytest.mark.parametrize("case", ["config", "gpus", "checkpoint_dir"])
 def test_bad_jobs_stop_before_training_with_one_clear_error(case, cluster, tiny_corpus, tmp_path):
     run, shape = tmp_path / "run", list(SRUN_SHAPE)

@@ -85,8 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launcher={launcher} world_size={dist.get_world_size()} backend={backend} "
               f"precision={plan.precision} zero_stage={plan.zero_stage} "
               f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum}", flush=True)
-    trainer.setup()
-    code = trainer.train(preemption)
+    try:
+        trainer.setup()
+        code = trainer.train(preemption)
+    except UserError as error:
+        # Found after the start (a damaged or unsafe checkpoint file, a checkpoint that cannot change layout):
+        # every rank reads the same files and stops alike; rank 0's line is the one to read.
+        if dist.get_rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     if dist.get_rank() == 0 and code == 0:
         print(f"done: {trainer.step} steps; checkpoints in {trainer.ckpt_dir}; logs in {cfg.log_dir}", flush=True)
     dist.barrier()

@@ -28,6 +28,7 @@ from convbert_ds.engine import checkpoint as ckpt_layout
 from convbert_ds.engine import universal
 from convbert_ds.engine.universal import Layout
 from convbert_ds.formats.init_dir import ConvertError, match_weights
+from convbert_ds.formats.safe_pickle import check_directory, forced_weights_only, safe_load
 from convbert_ds.model import ElectraForPretraining, WeightsError
 from convbert_ds.model.optim import param_groups
 from convbert_ds.model.tied import fill_tied
@@ -137,7 +138,7 @@ def _zero_to_fp32(root: Path, tag: str) -> dict[str, torch.Tensor]:
     try:
         # The saved fp32 partitions require grad: consolidated with autograd on, every output would keep
         # the whole mmapped optimizer files alive through its graph (as much memory again as the model).
-        with _quiet(), torch.no_grad():
+        with _quiet(), torch.no_grad(), forced_weights_only(f"DeepSpeed's consolidation of {root / tag}"):
             return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     except Exception as error:  # noqa: BLE001 - DeepSpeed's reader fails in many ways on a damaged checkpoint
         reason = " ".join(str(error).split())  # the CLI prints one line
@@ -145,8 +146,8 @@ def _zero_to_fp32(root: Path, tag: str) -> dict[str, torch.Tensor]:
 
 
 def _load(path: Path) -> dict:
-    # DeepSpeed's files pickle its own objects (enums, namedtuples), so they need the full unpickler.
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    # Weights-only: DeepSpeed's few pickled classes are on safe_pickle's allow-list, nothing else runs.
+    return safe_load(path, map_location="cpu", mmap=True)
 
 
 def _zero0_masters(ckpt: Checkpoint, module: dict[str, torch.Tensor], optimizer: dict) -> dict[str, torch.Tensor]:
@@ -201,8 +202,7 @@ def _pipeline_state(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     layer_names = _layer_names(ckpt.electra)
     weights = {}
     for index, prefix in sorted(layer_names.items()):
-        layer = torch.load(ckpt.directory / f"layer_{index:02d}-model_states.pt", map_location="cpu",
-                           weights_only=True)
+        layer = safe_load(ckpt.directory / f"layer_{index:02d}-model_states.pt", map_location="cpu")
         weights.update({prefix + key: tensor for key, tensor in layer.items()})
     if ckpt.precision == "fp32" or ckpt.zero_stage == 0:
         how = "fp32" if ckpt.precision == "fp32" else f"{ckpt.precision}, upcast"
@@ -223,6 +223,7 @@ def read_state_dict(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
         source = f"fp32 master weights of the universal copy ({ckpt.describe()} before conversion)"
         return complete_aliases(weights, ckpt.electra, f"checkpoint {converted}"), source
     check_files(ckpt)
+    check_directory(ckpt.directory)  # every pickle weights-only, before DeepSpeed's reader opens one
     if ckpt.stages > 1:
         weights, source = _pipeline_state(ckpt)
     elif ckpt.zero_stage >= 1:

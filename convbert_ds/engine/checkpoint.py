@@ -49,7 +49,6 @@ import errno
 import hashlib
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -62,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from convbert_ds.errors import UserError
+from convbert_ds.formats.safe_pickle import check_directory, deepspeed_loads_weights_only, safe_load
 from convbert_ds.fsutil import write_text_atomically
 
 COMPLETE = "COMPLETE"
@@ -286,12 +286,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def load_rng_file(path: Path) -> dict:
-    try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError:
-        # Older RNG files pickle numpy arrays, which weights_only refuses, and full pickle runs arbitrary code.
-        raise CheckpointError(f"{path}: RNG states in the old pickled format; resume this checkpoint with the "
-                              "convbert_ds version that wrote it") from None
+    """This rank's RNG states, read weights-only (older files pickle numpy arrays: on the allow-list)."""
+    return safe_load(path)
 
 
 # Saving -------------------------------------------------------------------------------------------
@@ -440,8 +436,10 @@ def save(engine, directory: Path, step: int, trainer_state: dict, keep_last: int
 def load(engine, directory: Path, tag: str) -> dict:
     """Restore DeepSpeed states, this rank's RNG states, and return the trainer state."""
     path = directory / tag
-    load_path, _ = engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    check_directory(path)  # no pickled global outside the allow-list, before DeepSpeed reads a byte
+    with deepspeed_loads_weights_only(engine):
+        load_path, _ = engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
     if load_path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {path}")
     rng_file = path / f"rng_rank{dist.get_rank():05d}.pt"

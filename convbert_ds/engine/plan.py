@@ -26,7 +26,7 @@ from convbert_ds.config import (
 from convbert_ds.data.loader import parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split
 from convbert_ds.engine.checkpoint import TRAINER_STATE, latest_complete
-from convbert_ds.engine.pipeline import check_pipeline_ds_config
+from convbert_ds.engine.pipeline import check_pipeline_ds_config, pipeline_layer_names
 from convbert_ds.engine.train_config import TrainConfig
 from convbert_ds.engine.universal import Layout
 from convbert_ds.formats.shard_manifest import read_manifest
@@ -272,6 +272,10 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
         raise ConfigError(f"model.init_from_hf={init!r}: the shards were made with another tokenizer; shard the "
                           f"corpus with --tokenizer {init}/tokenizer")
     electra = _electra_config(cfg, first.vocab_size, first.special_ids)
+    layers = len(pipeline_layer_names(electra))
+    if cfg.pipeline.stages > layers:
+        raise ConfigError(f"pipeline.stages={cfg.pipeline.stages}: the model has {layers} layers with weights to "
+                          f"divide between the stages; use at most {layers} stages")
     _check_resumable(cfg, electra, first.tokenizer)
     return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
                    electra=electra, sets=sets, tokenizer=first.tokenizer,

@@ -38,13 +38,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from convbert_ds.config import ConfigError, ElectraConfig
+from convbert_ds.engine.checkpoint import UNIVERSAL
 from convbert_ds.formats.safe_pickle import safe_load
 from convbert_ds.fsutil import write_dir_atomically, write_json_atomically
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.optim import param_groups
 from convbert_ds.model.tied import tied_groups
 
-UNIVERSAL = "universal"
 META = "universal.json"
 QUANTITIES = ("fp32", "exp_avg", "exp_avg_sq")
 FORMAT = 1
@@ -148,7 +148,7 @@ def _step_of(optim_state: dict) -> int:
     return int(next(iter(optim_state["state"].values()))["step"])
 
 
-def _read_zero(directory: Path, layout: Layout, stage_files: list[tuple[Path, list[Path]]],
+def _read_zero(layout: Layout, stage_files: list[tuple[Path, list[Path]]],
                rename) -> tuple[dict, dict, int]:
     """ZeRO-1/2/3 files: ``stage_files`` = per pipeline stage (one for a plain run), its model-states file and
     its data-parallel ranks' optimizer files. Returns (quantity -> name -> tensor, model-states, step)."""
@@ -204,7 +204,7 @@ def read_layout_state(directory: Path, layout: Layout, electra: ElectraConfig) -
         stage_files = [(directory / f"mp_rank_{s:02d}_model_states.pt",
                         [directory / f"{prefix}zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt" for r in range(ranks)])
                        for s in range(layout.pipeline_stages)]
-        tensors, states, step = _read_zero(directory, layout, stage_files, pipeline_to_plain(electra))
+        tensors, states, step = _read_zero(layout, stage_files, pipeline_to_plain(electra))
     elif layout.zero_stage == 0:
         tensors, states, step = _read_zero0(directory, layout, electra)
     else:
@@ -212,7 +212,7 @@ def read_layout_state(directory: Path, layout: Layout, electra: ElectraConfig) -
         model_file = directory / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if layout.zero_stage == 3
                                   else "mp_rank_00_model_states.pt")
         optim = [directory / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in ranks]
-        tensors, states, step = _read_zero(directory, layout, [(model_file, optim)], lambda name: name)
+        tensors, states, step = _read_zero(layout, [(model_file, optim)], lambda name: name)
     canonical = canonical_names(electra)
     tensors = {q: {canonical[n]: t for n, t in by_name.items()} for q, by_name in tensors.items()}
     expected = set(canonical.values())

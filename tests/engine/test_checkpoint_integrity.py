@@ -4,6 +4,7 @@ and saves that fail (injected ENOSPC on one rank, a real full filesystem) withou
 The format and verification tests need no DeepSpeed; the rest train on 2 gloo CPU ranks, a few steps each.
 """
 
+import os
 import random
 import shutil
 import subprocess
@@ -189,6 +190,33 @@ def test_bit_flip_is_caught_by_the_checksum(failed_save_run, tiny_corpus, tmp_pa
     assert len(warnings) == 1 and "(zero_pp_rank_1_mp_rank_00_optim_states.pt: checksum mismatch)" in warnings[0]
     assert warnings[0].endswith(f"resuming from {TAG2}") and "at step 2 (32 samples consumed)" in output
     _assert_resumed_bitwise(failed_save_run[0], tmp_path / "run")
+
+
+class _RunsACommand:
+    """Unpickled by full pickle, it runs a shell command: what a crafted checkpoint file would carry."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+@pytest.mark.slow
+def test_a_pickled_global_is_one_line_and_nothing_runs(failed_save_run, tiny_corpus, tmp_path):
+    """A crafted optimizer file in an otherwise intact checkpoint (its manifest rewritten to match, as by
+    someone who controls the directory): refused before DeepSpeed reads it, one line, no code run."""
+    run_dir, marker = tmp_path / "run", tmp_path / "MARKER"
+    shutil.copytree(failed_save_run[0], run_dir)
+    tag_dir = run_dir / "checkpoints" / TAG6
+    crafted = tag_dir / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": _RunsACommand(f"touch '{marker}'")}, crafted)
+    checkpoint.write_manifest(tag_dir, world_size=2)
+    result = run_training(run_dir, tiny_corpus["shards"], *COMMON, "train.steps=8")
+    assert result.returncode == 2, (result.stdout + result.stderr)[-4000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(crafted) in errors[0] and "posix.system" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not marker.exists()
 
 
 def _final_line(output: str) -> str:

@@ -15,7 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from convbert_ds.config import ConfigError
 from convbert_ds.convert import open_checkpoint, read_state_dict
+from convbert_ds.engine.plan import resolve
+from convbert_ds.engine.train_config import load_config
 from convbert_ds.engine import universal
 from launch import REPO, TINY_CONFIG, check, env, free_port, run_group, run_training, train_metrics
 
@@ -122,3 +125,10 @@ def test_a_different_model_is_one_line_before_anything_starts(tiny_corpus, tmp_p
     assert len(line) == 1 and "hidden_size" in line[0] and "checkpoint.dir" in line[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "launcher=" not in result.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints").rglob("*")) == before
+
+
+def test_more_pipeline_stages_than_layers_is_one_line(tiny_corpus):
+    cfg = load_config(TINY_CONFIG, [f"data.sets=[{{path: '{tiny_corpus['shards']}'}}]", "pipeline.stages=10",
+                                    "deepspeed.config=ds_configs/pipeline_zero1_bf16.json"])
+    with pytest.raises(ConfigError, match=r"pipeline.stages=10: the model has 9 layers .* use at most 9 stages"):
+        resolve(cfg, world_size=10)

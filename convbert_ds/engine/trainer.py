@@ -27,9 +27,9 @@ from convbert_ds.engine.pipeline import (
     pipeline_metrics,
 )
 from convbert_ds.engine.plan import RunPlan
+from convbert_ds.engine.train_config import DownstreamSection
 from convbert_ds.engine.universal import Layout
 from convbert_ds.errors import UserError
-from convbert_ds.engine.train_config import DownstreamSection
 from convbert_ds.formats.init_dir import load_init_weights
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.optim import param_groups
@@ -211,7 +211,7 @@ class Trainer:
             raise universal.ReshapeError(f"cannot resume {tag_dir} in another layout: {message[0]}")
         universal.load_into(self.engine, tag_dir / universal.UNIVERSAL, self.electra, self.pipelined)
         # The saved random streams belong to the old ranks; new ones, the same on every rerun.
-        seed = np.random.SeedSequence([self.cfg.train.seed, int(tag_dir.name[4:]), dist.get_rank()])
+        seed = np.random.SeedSequence([self.cfg.train.seed, checkpoint.step_of(tag), dist.get_rank()])
         torch.manual_seed(int(seed.generate_state(1)[0]))
         return (f"; layout changed: {saved} -> {self.plan.layout} (through {tag_dir / universal.UNIVERSAL}, kept "
                 "for the next resume; random streams reseeded)")

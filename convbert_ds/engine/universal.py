@@ -106,6 +106,8 @@ def pipeline_to_plain(electra: ElectraConfig) -> callable:
 
 
 # Reading DeepSpeed's files -------------------------------------------------------------------------
+# One quantity at a time, each parameter copied straight from the ranks' memory-mapped slices into a
+# tensor of its own: memory stays near one quantity (the fp32 model size), whatever the number of ranks.
 def _zero_flats(optim: dict, zero_stage: int, quantity: str) -> list[torch.Tensor]:
     """One rank's flat partitions of ``quantity``: per parameter group (ZeRO-1/2) or sub-group (ZeRO-3)."""
     osd = optim["optimizer_state_dict"]
@@ -115,31 +117,46 @@ def _zero_flats(optim: dict, zero_stage: int, quantity: str) -> list[torch.Tenso
     return [state[index][quantity] for index in sorted(state)]
 
 
+def _copy_range(parts: list[torch.Tensor], start: int, out: torch.Tensor) -> None:
+    """Fill ``out`` with elements ``start ...`` of the tensors in ``parts`` laid end to end (no copy of them)."""
+    done = 0
+    for part in parts:
+        if done == out.numel():
+            return
+        if start >= part.numel():
+            start -= part.numel()
+            continue
+        take = min(part.numel() - start, out.numel() - done)
+        out[done:done + take].copy_(part[start:start + take])
+        done, start = done + take, 0
+    if done != out.numel():
+        raise ReshapeError(f"the optimizer shards end {out.numel() - done} values early")
+
+
 def _merge_zero12(per_rank: list[list[torch.Tensor]], shapes: list[dict], paddings) -> dict[str, torch.Tensor]:
     """ZeRO-1/2: a group's ranks' slices laid end to end are the group's flat buffer; parameters follow
     in ``param_shapes`` order, each followed by its alignment padding."""
     out = {}
     for group, group_shapes in enumerate(shapes):
-        flat = torch.cat([ranks[group] for ranks in per_rank])
-        offset = 0
+        parts, offset = [ranks[group] for ranks in per_rank], 0
         for index, (name, shape) in enumerate(group_shapes.items()):
-            numel = math.prod(shape)
-            out[name] = flat.narrow(0, offset, numel).view(tuple(shape)).clone()  # own storage: safetensors
-            offset += numel + (paddings[group][index] if paddings else 0)
-        if offset > flat.numel():
-            raise ReshapeError(f"parameter group {group} needs {offset} values but the shards hold {flat.numel()}")
+            out[name] = torch.empty(tuple(shape), dtype=torch.float32)
+            _copy_range(parts, offset, out[name].view(-1))
+            offset += out[name].numel() + (paddings[group][index] if paddings else 0)
     return out
 
 
 def _merge_zero3(per_rank: list[list[torch.Tensor]], shapes: list[dict]) -> dict[str, torch.Tensor]:
     """ZeRO-3: every parameter is cut into ``ceil(numel / ranks)`` pieces, rank r holding piece r; a rank's
     pieces follow one another in ``param_shapes`` order across its sub-groups."""
-    flats = [torch.cat(groups) for groups in per_rank]
     out, offset = {}, 0
     for name, shape in ((n, s) for group in shapes for n, s in group.items()):
         numel = math.prod(shape)
-        piece = math.ceil(numel / len(flats))
-        out[name] = torch.cat([f.narrow(0, offset, piece) for f in flats])[:numel].view(tuple(shape)).clone()
+        piece = math.ceil(numel / len(per_rank))
+        flat = torch.empty(piece * len(per_rank), dtype=torch.float32)
+        for rank, parts in enumerate(per_rank):
+            _copy_range(parts, offset, flat[rank * piece:(rank + 1) * piece])
+        out[name] = flat[:numel].view(tuple(shape)).clone() if numel < flat.numel() else flat.view(tuple(shape))
         offset += piece
     return out
 
@@ -148,83 +165,90 @@ def _step_of(optim_state: dict) -> int:
     return int(next(iter(optim_state["state"].values()))["step"])
 
 
-def _read_zero(layout: Layout, stage_files: list[tuple[Path, list[Path]]],
-               rename) -> tuple[dict, dict, int]:
+def _base_state(optim: dict, zero_stage: int) -> dict:
+    osd = optim["optimizer_state_dict"]
+    return osd["base_optimizer_state"] if zero_stage <= 2 else osd["optimizer_state_dict"]
+
+
+def _read_zero(layout: Layout, stage_files: list[tuple[Path, list[Path]]], rename, quantity: str) -> dict:
     """ZeRO-1/2/3 files: ``stage_files`` = per pipeline stage (one for a plain run), its model-states file and
-    its data-parallel ranks' optimizer files. Returns (quantity -> name -> tensor, model-states, step)."""
-    out = {q: {} for q in QUANTITIES}
-    step, model_states = 0, None
+    its data-parallel ranks' optimizer files. Returns name -> tensor."""
+    out = {}
     for model_file, optim_files in stage_files:
-        states = safe_load(model_file, map_location="cpu", mmap=True)
-        model_states = model_states or states
-        optims = [safe_load(f, map_location="cpu", mmap=True) for f in optim_files]
-        osd = optims[0]["optimizer_state_dict"]
-        base = osd["base_optimizer_state"] if layout.zero_stage <= 2 else osd["optimizer_state_dict"]
-        step = _step_of(base)
-        for quantity in QUANTITIES:
-            per_rank = [_zero_flats(o, layout.zero_stage, quantity) for o in optims]
-            merged = (_merge_zero12(per_rank, states["param_shapes"], osd.get("param_alignment_paddings"))
-                      if layout.zero_stage <= 2 else _merge_zero3(per_rank, states["param_shapes"]))
-            for name, tensor in merged.items():  # a tied table held by two stages: the same values twice
-                out[quantity].setdefault(rename(name), tensor)
-    return out, model_states, step
+        shapes = safe_load(model_file, mmap=True)["param_shapes"]
+        optims = [safe_load(f, mmap=True) for f in optim_files]  # mapped: pages are read as they are copied
+        per_rank = [_zero_flats(o, layout.zero_stage, quantity) for o in optims]
+        merged = (_merge_zero12(per_rank, shapes, optims[0]["optimizer_state_dict"].get("param_alignment_paddings"))
+                  if layout.zero_stage <= 2 else _merge_zero3(per_rank, shapes))
+        for name, tensor in merged.items():  # a tied table held by two stages: the same values twice
+            out.setdefault(rename(name), tensor)
+    return out
 
 
-def _read_zero0(directory: Path, layout: Layout, electra: ElectraConfig) -> tuple[dict, dict, int]:
+def _read_zero0(directory: Path, layout: Layout, electra: ElectraConfig, quantity: str) -> dict:
     """No ZeRO: the module and a torch optimizer state keyed by parameter position (the trainer's groups);
     bf16/fp16 wrap it and keep fp32 copies group by group."""
-    states = safe_load(directory / "mp_rank_00_model_states.pt", map_location="cpu", mmap=True)
+    states = safe_load(directory / "mp_rank_00_model_states.pt", mmap=True)
     model = _meta_model(electra)
     position = {id(p): n for n, p in model.named_parameters()}
-    groups = [[position[id(p)] for p in g["params"]] for g in param_groups(model, 0.0)]
-    names = [name for group in groups for name in group]
+    names = [position[id(p)] for group in param_groups(model, 0.0) for p in group["params"]]
     optimizer = states["optimizer"]
     inner = optimizer.get("optimizer_state_dict", optimizer)
-    out = {q: {} for q in QUANTITIES}
-    for index, name in enumerate(names):
-        for quantity in QUANTITIES[1:]:
-            out[quantity][name] = inner["state"][index][quantity].float().clone()
+    if quantity != "fp32":
+        return {name: inner["state"][index][quantity].float().clone() for index, name in enumerate(names)}
     if layout.precision == "fp32":
-        out["fp32"] = {name: states["module"][name].float().clone() for name in names}
-    else:
-        masters = [t for group in optimizer["fp32_groups"] for t in group]
-        out["fp32"] = {name: t.reshape(out["exp_avg"][name].shape).float().clone() for name, t in zip(names, masters)}
-    return out, states, _step_of(inner)
+        return {name: states["module"][name].float().clone() for name in names}
+    masters = [t for group in optimizer["fp32_groups"] for t in group]
+    return {name: t.reshape(states["module"][name].shape).float().clone() for name, t in zip(names, masters)}
 
 
-def read_layout_state(directory: Path, layout: Layout, electra: ElectraConfig) -> tuple[dict, dict]:
-    """A checkpoint tag written in ``layout`` -> (quantity -> canonical name -> fp32 tensor, metadata)."""
+def _files(directory: Path, layout: Layout) -> list[tuple[Path, list[Path]]]:
+    """ZeRO-1/2/3 layouts: per pipeline stage (one for a plain run), the model-states and optimizer files."""
     prefix = "bf16_" if layout.precision == "bf16" else ""
     if layout.pipeline_stages > 1:
-        if layout.zero_stage == 0:
-            raise ReshapeError(f"{directory}: a pipeline checkpoint without ZeRO ({layout}) keeps its optimizer "
-                               "state by position within each stage and cannot be carried to another layout; "
-                               "resume with the same layout (use ZeRO-1 with pipeline stages to stay elastic)")
-        ranks = layout.world_size // layout.pipeline_stages
-        stage_files = [(directory / f"mp_rank_{s:02d}_model_states.pt",
-                        [directory / f"{prefix}zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt" for r in range(ranks)])
-                       for s in range(layout.pipeline_stages)]
-        tensors, states, step = _read_zero(layout, stage_files, pipeline_to_plain(electra))
-    elif layout.zero_stage == 0:
-        tensors, states, step = _read_zero0(directory, layout, electra)
+        ranks = range(layout.world_size // layout.pipeline_stages)
+        return [(directory / f"mp_rank_{s:02d}_model_states.pt",
+                 [directory / f"{prefix}zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt" for r in ranks])
+                for s in range(layout.pipeline_stages)]
+    model_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if layout.zero_stage == 3 else "mp_rank_00_model_states.pt"
+    return [(directory / model_file,
+             [directory / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(layout.world_size)])]
+
+
+def read_quantity(directory: Path, layout: Layout, electra: ElectraConfig, quantity: str) -> dict[str, torch.Tensor]:
+    """One of ``QUANTITIES`` of a checkpoint tag written in ``layout``: canonical name -> fp32 tensor."""
+    if layout.pipeline_stages > 1 and layout.zero_stage == 0:
+        raise ReshapeError(f"{directory}: a pipeline checkpoint without ZeRO ({layout}) keeps its optimizer "
+                           "state by position within each stage and cannot be carried to another layout; "
+                           "resume with the same layout (use ZeRO-1 with pipeline stages to stay elastic)")
+    if layout.zero_stage == 0:
+        tensors = _read_zero0(directory, layout, electra, quantity)
     else:
-        ranks = range(layout.world_size)
-        model_file = directory / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if layout.zero_stage == 3
-                                  else "mp_rank_00_model_states.pt")
-        optim = [directory / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in ranks]
-        tensors, states, step = _read_zero(layout, [(model_file, optim)], lambda name: name)
+        rename = pipeline_to_plain(electra) if layout.pipeline_stages > 1 else (lambda name: name)
+        tensors = _read_zero(layout, _files(directory, layout), rename, quantity)
     canonical = canonical_names(electra)
-    tensors = {q: {canonical[n]: t for n, t in by_name.items()} for q, by_name in tensors.items()}
+    tensors = {canonical[name]: tensor for name, tensor in tensors.items()}
     expected = set(canonical.values())
-    for quantity, by_name in tensors.items():
-        if set(by_name) != expected:
-            missing, extra = sorted(expected - set(by_name)), sorted(set(by_name) - expected)
-            raise ReshapeError(f"{directory}: the {quantity} state does not match the model (missing {missing[:3]}, "
-                               f"unexpected {extra[:3]}); the checkpoint was written for another model config")
-    meta = {"format": FORMAT, "source": str(layout), "optimizer_step": step,
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ReshapeError(f"{directory}: the {quantity} state does not match the model (missing {missing[:3]}, "
+                           f"unexpected {extra[:3]}); the checkpoint was written for another model config")
+    return tensors
+
+
+def read_meta(directory: Path, layout: Layout) -> dict:
+    """Adam's step count, the LR schedule's state and DeepSpeed's counters (``universal.json``)."""
+    if layout.zero_stage == 0:
+        states = safe_load(directory / "mp_rank_00_model_states.pt", mmap=True)
+        optimizer = states["optimizer"]
+        step = _step_of(optimizer.get("optimizer_state_dict", optimizer))
+    else:
+        model_file, optim_files = _files(directory, layout)[0]
+        states = safe_load(model_file, mmap=True)
+        step = _step_of(_base_state(safe_load(optim_files[0], mmap=True), layout.zero_stage))
+    return {"format": FORMAT, "source": str(layout), "optimizer_step": step,
             "lr_scheduler": states.get("lr_scheduler") or {},
             **{k: int(states.get(k) or 0) for k in ("global_steps", "global_samples", "skipped_steps")}}
-    return tensors, meta
 
 
 def convert(tag_dir: Path, layout: Layout, electra: ElectraConfig) -> Path:
@@ -234,12 +258,11 @@ def convert(tag_dir: Path, layout: Layout, electra: ElectraConfig) -> Path:
         return target
     for leftover in tag_dir.glob(f".{UNIVERSAL}.*"):  # a conversion killed half-way: redo it
         shutil.rmtree(leftover, ignore_errors=True)
-    tensors, meta = read_layout_state(tag_dir, layout, electra)
+    meta = read_meta(tag_dir, layout)
 
     def fill(tmp: Path) -> None:
         for quantity in QUANTITIES:
-            save_file({n: t.contiguous() for n, t in tensors.pop(quantity).items()},
-                      str(tmp / f"{quantity}.safetensors"))
+            save_file(read_quantity(tag_dir, layout, electra, quantity), str(tmp / f"{quantity}.safetensors"))
             if os.environ.get("CONVBERT_DS_KILL_DURING_CONVERSION"):  # crash tests: die half-way
                 os.kill(os.getpid(), signal.SIGKILL)
         write_json_atomically(tmp / META, meta)  # last: its presence marks a whole conversion
@@ -258,6 +281,14 @@ def _module_names(engine, electra: ElectraConfig, pipelined: bool) -> list[tuple
 def _base_optimizer(engine):
     """The torch optimizer underneath DeepSpeed's wrappers (ZeRO, bf16), or the optimizer itself."""
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+
+def _fp32_copies(engine) -> dict | None:
+    """bf16/fp16 without ZeRO (DeepSpeed's unfused optimizer): module parameter -> the fp32 copy Adam updates."""
+    optimizer = engine.optimizer
+    if not (hasattr(optimizer, "fp16_groups") and hasattr(optimizer, "fp32_groups")):
+        return None
+    return {lp: hp for lps, hps in zip(optimizer.fp16_groups, optimizer.fp32_groups) for lp, hp in zip(lps, hps)}
 
 
 def _init_adam_state(engine, step: torch.Tensor) -> None:
@@ -302,7 +333,8 @@ def load_into(engine, universal_dir: Path, electra: ElectraConfig, pipelined: bo
     DeepSpeed's counters from ``universal_dir``; returns its metadata. Every rank calls it."""
     meta = json.loads((universal_dir / META).read_text())
     optimizer, base = engine.optimizer, _base_optimizer(engine)
-    if base is not optimizer and not hasattr(optimizer, "_lazy_init_hp_params_optimizer_state") \
+    masters = _fp32_copies(engine)
+    if base is not optimizer and masters is None and not hasattr(optimizer, "_lazy_init_hp_params_optimizer_state") \
             and not hasattr(optimizer, "fp32_partitioned_groups_flat"):
         raise ReshapeError(f"cannot load a universal checkpoint into {type(optimizer).__name__} (fp16 without "
                            "ZeRO); use a ZeRO-1 DeepSpeed config, or resume with the checkpoint's own layout")
@@ -318,10 +350,12 @@ def load_into(engine, universal_dir: Path, electra: ElectraConfig, pipelined: bo
                 for quantity, value in values.items():
                     param.set_full_hp_param(value, None if quantity == "fp32" else quantity)
                 param.data.copy_(values["fp32"].to(param.dtype))
-            else:  # fp32 without ZeRO: the module's parameters are what Adam updates
-                param.data.copy_(values["fp32"])
+            else:  # without ZeRO: Adam updates the module's parameters (fp32) or an fp32 copy of each (bf16)
+                master = masters[param] if masters else param
+                master.data.copy_(values["fp32"])
+                param.data.copy_(values["fp32"].to(param.dtype))
                 for quantity in QUANTITIES[1:]:
-                    base.state[param][quantity].copy_(values[quantity])
+                    base.state[master][quantity].copy_(values[quantity])
     if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: the module's pieces from the fp32 copy
         for fp32, lp in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat):
             lp.data.copy_(fp32.data)
@@ -340,7 +374,7 @@ def gather_state(engine, electra: ElectraConfig, pipelined: bool) -> dict[str, d
     canonical name: what a checkpoint of it holds, whatever the layout."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # with an engine only
 
-    base = _base_optimizer(engine)
+    base, masters = _base_optimizer(engine), _fp32_copies(engine)
     _link_views(engine)
     out = {q: {} for q in QUANTITIES}
     for name, param in _module_names(engine, electra, pipelined):
@@ -349,9 +383,10 @@ def gather_state(engine, electra: ElectraConfig, pipelined: bool) -> dict[str, d
             for quantity in QUANTITIES[1:]:
                 out[quantity][name] = safe_get_full_optimizer_state(param, quantity).float().cpu().clone()
         else:
-            out["fp32"][name] = param.detach().float().cpu().clone()
+            master = masters[param] if masters else param
+            out["fp32"][name] = master.detach().float().cpu().clone()
             for quantity in QUANTITIES[1:]:
-                out[quantity][name] = base.state[param][quantity].float().cpu().clone()
+                out[quantity][name] = base.state[master][quantity].float().cpu().clone()
     if pipelined:  # each stage holds its own layers: put the stages together
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, out)

@@ -56,6 +56,7 @@ ALLOWED_GLOBALS: tuple[str, ...] = (
     "numpy._core.multiarray._reconstruct",
     "numpy.ndarray",
     "numpy.dtype",
+    "numpy.dtypes.UInt32DType",  # the array's dtype class, built (not imported by name) while unpickling
 )
 
 _TRUST_HINT = (f"only load checkpoints from a source you trust; if this file is yours (another DeepSpeed "

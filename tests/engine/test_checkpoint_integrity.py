@@ -115,10 +115,13 @@ def test_rng_file_loads_with_weights_only(tmp_path):
     checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
+    # Files written before (numpy's state pickled as an array) stay resumable, weights-only too.
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                tmp_path / "old.pt")
-    with pytest.raises(checkpoint.CheckpointError, match="old.pt: RNG states in the old pickled format"):
-        checkpoint.load_rng_file(tmp_path / "old.pt")
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    checkpoint.set_rng_state(checkpoint.load_rng_file(tmp_path / "old.pt"))
+    assert torch.equal(torch.rand(3), expected[0])
+    assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
 
 
 # Real training on 2 ranks -------------------------------------------------------------------------

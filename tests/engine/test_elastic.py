@@ -24,7 +24,7 @@ from launch import REPO, TINY_CONFIG, check, env, free_port, run_group, run_trai
 
 pytestmark = pytest.mark.slow
 
-ZERO1, ZERO2, ZERO3 = (f"deepspeed.config=ds_configs/zero{s}_bf16.json" for s in (1, 2, 3))
+ZERO0, ZERO1, ZERO2, ZERO3 = (f"deepspeed.config=ds_configs/zero{s}_bf16.json" for s in (0, 1, 2, 3))
 PIPELINE = ("deepspeed.config=ds_configs/pipeline_zero1_bf16.json", "pipeline.stages=2")
 SHORT = ("train.warmup_steps=2", "eval.interval=0", "log.interval=1", "train.micro_batch_size=4")
 
@@ -47,15 +47,18 @@ def assert_same_state(saved: dict, loaded: dict) -> None:
             assert torch.equal(tensor, loaded[quantity][name]), f"{quantity} {name}"
 
 
+# Between them, every reader (ZeRO-0 fp32/bf16, ZeRO-1/2, ZeRO-3, pipeline) and every way of loading
+# (torch's Adam without ZeRO, the bf16 optimizer, ZeRO-1/2, ZeRO-3, pipeline stages).
 @pytest.mark.parametrize("before, after", [
     ((2, ZERO2), (1, ZERO2)),
     ((1, ZERO2), (2, ZERO2)),
     ((2, ZERO1), (2, ZERO3)),
     ((2, *PIPELINE), (2, ZERO1)),
     ((2, ZERO1, "train.precision=bf16"), (2, *PIPELINE, "train.precision=bf16")),
-    ((2, ZERO2, "train.precision=bf16"), (1, ZERO1, "train.precision=fp32")),
+    ((2, ZERO3, "train.precision=bf16"), (1, ZERO0, "train.precision=fp32")),
+    ((1, ZERO0, "train.precision=fp32"), (2, ZERO0, "train.precision=bf16")),
 ], ids=["zero2-2to1", "zero2-1to2", "zero1-to-zero3", "pipeline-to-plain", "plain-to-pipeline-bf16",
-        "bf16-to-fp32"])
+        "zero3-bf16-to-zero0-fp32", "zero0-fp32-to-zero0-bf16"])
 def test_resume_on_another_layout_restores_the_saved_state(before, after, tiny_corpus, tmp_path):
     shards = tiny_corpus["shards"]
     saved = run_worker(tmp_path / "saved", tmp_path, shards, before[0], *before[1:], "train.steps=3",
@@ -125,6 +128,15 @@ def test_a_different_model_is_one_line_before_anything_starts(tiny_corpus, tmp_p
     assert len(line) == 1 and "hidden_size" in line[0] and "checkpoint.dir" in line[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "launcher=" not in result.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints").rglob("*")) == before
+    # Shards of another tokenizer: refused by the same check, before any process group.
+    state_file = tmp_path / "checkpoints" / "step00000002" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["tokenizer"]["sha256"] = "0" * 64
+    state_file.write_text(json.dumps(state))
+    cfg = load_config(TINY_CONFIG, [f"data.sets=[{{path: '{shards}'}}]", f"checkpoint.dir={tmp_path / 'checkpoints'}",
+                                    ZERO2])
+    with pytest.raises(ConfigError, match="holds a run on shards of another tokenizer"):
+        resolve(cfg, world_size=2)
 
 
 def test_more_pipeline_stages_than_layers_is_one_line(tiny_corpus):

@@ -240,7 +240,10 @@ def _check_resumable(cfg: TrainConfig, electra: ElectraConfig, tokenizer: dict) 
     tag = latest_complete(directory)
     if tag is None:
         return
-    state = json.loads((directory / tag / TRAINER_STATE).read_text())
+    try:
+        state = json.loads((directory / tag / TRAINER_STATE).read_text())
+    except (OSError, ValueError):  # damaged: the resume's verification sets the tag aside and says so
+        return
     fix = "resume with the model config it was trained with, or set checkpoint.dir to a new directory"
     saved_model = {k: v for k, v in state.get("electra_config", {}).items() if k in _ARCHITECTURE_KEYS}
     model = json.loads(json.dumps({k: v for k, v in electra.to_dict().items() if k in _ARCHITECTURE_KEYS}))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -41,10 +40,9 @@ class Checkpoint:
     electra: ElectraConfig
 
     def __post_init__(self) -> None:  # the run's layout, as trainer_state.json records it
-        self.stages = int(self.state.get("pipeline_stages", 1))
-        self.zero_stage = int(self.state.get("zero_stage", 0))
-        self.precision: str = self.state.get("precision", "fp32")
-        self.world_size = int(self.state.get("world_size", 1))
+        layout = Layout.of_checkpoint(self.state)
+        self.stages, self.zero_stage = layout.pipeline_stages, layout.zero_stage
+        self.precision, self.world_size = layout.precision, layout.world_size
 
     @property
     def directory(self) -> Path:
@@ -76,7 +74,7 @@ def open_checkpoint(checkpoint_dir, tag: str | None = None) -> Checkpoint:
     state_file = path / ckpt_layout.TRAINER_STATE
     if not state_file.is_file():
         raise ConvertError(f"{state_file} not found: not a checkpoint written by convbert_ds.train")
-    state = json.loads(state_file.read_text())
+    state = ckpt_layout.read_trainer_state(path)
     try:
         electra = ElectraConfig(**state["electra_config"])
     except (KeyError, TypeError, ConfigError) as error:

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from convbert_ds.engine.distributed import on_rank0
 from convbert_ds.errors import UserError
 from convbert_ds.formats.safe_pickle import check_directory, deepspeed_loads_weights_only, safe_load
 from convbert_ds.fsutil import write_text_atomically
@@ -237,20 +238,13 @@ def choose_resume_tag(directory: Path, verify_mode: str) -> str | None:
 
 
 def agreed_resume_tag(directory: Path, verify_mode: str) -> str | None:
-    """Every rank: rank 0's ``choose_resume_tag`` (or its error), broadcast."""
-    choice, failure = [None], None
-    if dist.get_rank() == 0:
-        try:
-            choice[0] = ("tag", choose_resume_tag(directory, verify_mode))
-        except Exception as error:  # said to the other ranks too, or they would wait in the broadcast forever
-            failure, choice[0] = error, ("error", f"{error} (on rank 0)")
-    dist.broadcast_object_list(choice, src=0)
-    kind, value = choice[0]
-    if failure is not None:
-        raise failure
-    if kind == "error":
-        raise CheckpointError(value)
-    return value
+    """Every rank: rank 0's ``choose_resume_tag`` (or its error)."""
+    return on_rank0(lambda: choose_resume_tag(directory, verify_mode))
+
+
+def read_trainer_state(tag_dir: Path) -> dict:
+    """A tag's ``trainer_state.json``: step, sampler state, config, layout, tokenizer."""
+    return json.loads((tag_dir / TRAINER_STATE).read_text())
 
 
 # RNG states ---------------------------------------------------------------------------------------
@@ -447,4 +441,4 @@ def load(engine, directory: Path, tag: str) -> dict:
         raise FileNotFoundError(f"{rng_file} not found: the checkpoint was written by fewer ranks; "
                                 "resume with the same number of processes for an exact resume")
     set_rng_state(load_rng_file(rng_file))
-    return json.loads((path / TRAINER_STATE).read_text())
+    return read_trainer_state(path)

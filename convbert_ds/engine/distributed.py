@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import socket
 import subprocess
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -122,3 +125,26 @@ def init_process_group(backend: str | None = None) -> str:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join("/dev/shm", name))
     return backend
+
+
+T = TypeVar("T")
+
+
+def on_rank0(work: Callable[[], T]) -> T:
+    """``work()`` on rank 0 only; every rank returns its result, or raises its exception (the others would
+    otherwise wait forever in the next collective)."""
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = (True, work())
+        except Exception as error:  # noqa: BLE001 - handed to every rank, raised there
+            try:
+                pickle.dumps(error)
+            except Exception:  # noqa: BLE001 - an exception that cannot travel: its text can
+                error = RuntimeError(f"{type(error).__name__}: {error}")
+            outcome[0] = (False, error)
+    dist.broadcast_object_list(outcome, src=0)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value

@@ -25,7 +25,7 @@ from convbert_ds.config import (
 )
 from convbert_ds.data.loader import parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split
-from convbert_ds.engine.checkpoint import TRAINER_STATE, latest_complete
+from convbert_ds.engine.checkpoint import latest_complete, read_trainer_state
 from convbert_ds.engine.pipeline import check_pipeline_ds_config, pipeline_layer_names
 from convbert_ds.engine.train_config import TrainConfig
 from convbert_ds.engine.universal import Layout
@@ -241,7 +241,7 @@ def _check_resumable(cfg: TrainConfig, electra: ElectraConfig, tokenizer: dict) 
     if tag is None:
         return
     try:
-        state = json.loads((directory / tag / TRAINER_STATE).read_text())
+        state = read_trainer_state(directory / tag)
     except (OSError, ValueError):  # damaged: the resume's verification sets the tag aside and says so
         return
     fix = "resume with the model config it was trained with, or set checkpoint.dir to a new directory"

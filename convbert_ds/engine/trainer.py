@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
 from convbert_ds.data.loader import build_dataloader
-from convbert_ds.engine import checkpoint, universal
+from convbert_ds.engine import checkpoint, distributed, universal
 from convbert_ds.engine.downstream_probe import DownstreamProbes
 from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
 from convbert_ds.engine.pipeline import (
@@ -29,7 +29,6 @@ from convbert_ds.engine.pipeline import (
 from convbert_ds.engine.plan import RunPlan
 from convbert_ds.engine.train_config import DownstreamSection
 from convbert_ds.engine.universal import Layout
-from convbert_ds.errors import UserError
 from convbert_ds.formats.init_dir import load_init_weights
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.optim import param_groups
@@ -174,7 +173,7 @@ class Trainer:
         tag = checkpoint.agreed_resume_tag(self.ckpt_dir, self.cfg.checkpoint.verify)
         if tag is None:
             return
-        state = json.loads((self.ckpt_dir / tag / checkpoint.TRAINER_STATE).read_text())
+        state = checkpoint.read_trainer_state(self.ckpt_dir / tag)
         saved, now = Layout.of_checkpoint(state), self.plan.layout
         if saved == now:  # the bit-exact path: every rank reads its own files
             checkpoint.load(self.engine, self.ckpt_dir, tag)
@@ -196,19 +195,16 @@ class Trainer:
         """Resume a checkpoint written in another layout through its universal copy (converted once by
         rank 0, kept beside the checkpoint for the next resume); returns the log line's addition."""
         tag_dir = self.ckpt_dir / tag
-        error = None
-        if dist.get_rank() == 0:
-            cached = (tag_dir / universal.UNIVERSAL / universal.META).is_file()
-            if not cached:
+
+        def convert() -> None:
+            if not (tag_dir / universal.UNIVERSAL / universal.META).is_file():
                 print(f"converting {tag_dir} ({saved}) to a universal checkpoint for {self.plan.layout}", flush=True)
             try:
                 universal.convert(tag_dir, saved, self.electra)
-            except (UserError, OSError) as exc:  # every rank must hear of it, or the others wait forever
-                error = f"{type(exc).__name__}: {exc}"
-        message = [error]
-        dist.broadcast_object_list(message, src=0)
-        if message[0] is not None:
-            raise universal.ReshapeError(f"cannot resume {tag_dir} in another layout: {message[0]}")
+            except OSError as error:  # e.g. no space for the copy: one line, not a traceback per rank
+                raise universal.ReshapeError(f"cannot resume {tag_dir} in another layout: {error}") from None
+
+        distributed.on_rank0(convert)
         universal.load_into(self.engine, tag_dir / universal.UNIVERSAL, self.electra, self.pipelined)
         # The saved random streams belong to the old ranks; new ones, the same on every rerun.
         seed = np.random.SeedSequence([self.cfg.train.seed, checkpoint.step_of(tag), dist.get_rank()])

@@ -80,7 +80,7 @@ def write_rank(checkpoint_dir: Path, preset_name: str) -> None:
     train = SimpleNamespace(global_batch_size=world, micro_batch_size=1, grad_clip=1.0, lr=1e-4, adam_beta1=0.9,
                             adam_beta2=0.999, adam_eps=1e-6, weight_decay=0.01, warmup_steps=10, steps=100)
     base = json.loads((REPO / "ds_configs" / "zero2_bf16.json").read_text())
-    ds_config = build_ds_config(SimpleNamespace(train=train), base, 1, "fp32")
+    ds_config = build_ds_config(SimpleNamespace(train=train), base, train.micro_batch_size, 1, "fp32")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train.weight_decay),
                                       config=ds_config)
     generator = torch.Generator().manual_seed(1 + dist.get_rank())

@@ -9,6 +9,10 @@ transformers. The model has ``n = num_attention_heads // head_ratio``
 self-attention heads and as many conv heads, each of size
 ``d = hidden_size // n // 2`` (``hidden_size // num_attention_heads`` for
 ``conv_type="none"``), i.e. the paper's Table 5 "Attention heads" is ``n``.
+
+``attention_head_size`` overrides ``d``: the official code's layout for generators too narrow for the
+bottleneck (ConvBERT-small's: 1 self-attention head of 64 + 1 conv head of 64 at hidden 64), which
+transformers cannot express (``generator_config(..., heads="official")``; such a body is not exported).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ CONV_TYPES = ("sdconv", "dynamic", "conventional", "none")
 SDCONV_IMPLS = ("auto", "triton", "torch")
 HIDDEN_ACTS = ("gelu", "gelu_new", "relu", "silu", "tanh")
 OBJECTIVES = ("electra", "mlm")
+MASKING_MODES = ("fixed", "bernoulli")
+GENERATOR_HEADS = ("transformers", "official")
 MAX_KERNEL_SIZE = 31
 
 
@@ -62,6 +68,8 @@ class ModelConfig:
     # transformers lets padded values leak into the conv window of real tokens;
     # parity needs that, so masking them is opt-in.
     sdconv_mask_padding: bool = False
+    # None: derived from hidden_size and the heads, as transformers does (module docstring).
+    attention_head_size: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -73,6 +81,13 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        if self.attention_head_size is not None:
+            return self.attention_head_size
+        return self.derived_head_dim
+
+    @property
+    def derived_head_dim(self) -> int:
+        """The head size transformers' ConvBERT computes from hidden_size and the heads."""
         if self.conv_type == "none":
             return self.hidden_size // self.num_attention_heads
         return self.hidden_size // self.num_heads // 2
@@ -118,7 +133,11 @@ class ModelConfig:
             _fail(own, "head_ratio", self.head_ratio,
                   f"does not divide num_attention_heads={self.num_attention_heads}",
                   "pick a head_ratio that divides the head count (2 in the paper, 1 disables the bottleneck)")
-        if self.has_conv and self.hidden_size % (2 * self.num_heads):
+        size = self.attention_head_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            _fail(own, "attention_head_size", size, "must be a positive integer or None",
+                  "leave it None (derived from hidden_size, as in transformers)")
+        if size is None and self.has_conv and self.hidden_size % (2 * self.num_heads):
             _fail(own, "hidden_size", self.hidden_size,
                   f"must split into 2 x {self.num_heads} heads (self-attention + conv)",
                   f"use a multiple of {2 * self.num_heads}")
@@ -146,12 +165,18 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     # transformers' ConvBertConfig has no conv_type/sdconv_impl; only "sdconv" bodies are representable there.
-    _HF_ONLY_OURS = ("conv_type", "sdconv_impl", "sdconv_mask_padding")
+    _HF_ONLY_OURS = ("conv_type", "sdconv_impl", "sdconv_mask_padding", "attention_head_size")
 
     def to_hf_dict(self, architectures: list[str]) -> dict:
         if self.conv_type != "sdconv":
             raise ConfigError(f"ModelConfig.conv_type={self.conv_type!r}: transformers' ConvBERT only has span-based "
                               "dynamic convolution; only conv_type='sdconv' models can be exported")
+        if self.head_dim != self.derived_head_dim:
+            raise ConfigError(f"ModelConfig.attention_head_size={self.attention_head_size}: transformers' ConvBERT "
+                              f"derives the head size from hidden_size={self.hidden_size} and num_attention_heads="
+                              f"{self.num_attention_heads} ({self.derived_head_dim}) and cannot load this layout (the "
+                              "official code's generator heads); export the discriminator only, or pretrain with "
+                              "model.generator_heads=transformers")
         hf = {k: v for k, v in self.to_dict().items() if k not in self._HF_ONLY_OURS}
         hf.update(model_type="convbert", architectures=architectures, tie_word_embeddings=True)
         return hf
@@ -173,20 +198,39 @@ def _round_heads(heads: float, head_ratio: int) -> int:
     return max(head_ratio, int(round(heads / head_ratio)) * head_ratio)
 
 
-def generator_config(discriminator: ModelConfig, size_multiplier: float) -> ModelConfig:
+def generator_config(discriminator: ModelConfig, size_multiplier: float, heads: str = "transformers"
+                     ) -> ModelConfig:
     """ELECTRA generator: same depth and embeddings, hidden/FFN/heads scaled by ``size_multiplier``.
 
-    Tiny generators (e.g. 1/4 of ConvBERT-small's 4 heads = 1 head) would have
-    fewer heads than head_ratio; we keep ``head_ratio`` heads, i.e. one
-    attention and one conv head, which is also what transformers falls back to.
+    ``heads="transformers"``: a generator with fewer heads than head_ratio (1/4 of ConvBERT-small's 4 is
+    1) keeps ``head_ratio`` heads, one attention and one conv head of ``hidden / 2`` each: what
+    transformers' ConvBERT builds from such a config, so the generator exports.
+    ``heads="official"``: the official code's layout (yitu-opensource/ConvBert, ``attention_layer``):
+    ``max(1, int(heads x multiplier))`` heads of size ``hidden / heads``; when that leaves fewer than one
+    head after the bottleneck, the bottleneck is switched off (one attention and one conv head of the
+    full head size, whose concatenation is wider than hidden). Where the two agree (medium-small, base)
+    the result is the same config.
     """
+    if heads not in GENERATOR_HEADS:
+        _fail("generator_config", "heads", heads, "unknown head layout", f"use one of {GENERATOR_HEADS}")
     hidden = int(round(discriminator.hidden_size * size_multiplier))
-    heads = _round_heads(discriminator.num_attention_heads * size_multiplier, discriminator.head_ratio)
-    return discriminator.replace(
+    scaled = discriminator.replace(
         hidden_size=hidden,
-        num_attention_heads=heads,
+        num_attention_heads=_round_heads(discriminator.num_attention_heads * size_multiplier,
+                                         discriminator.head_ratio),
         intermediate_size=int(round(discriminator.intermediate_size * size_multiplier)),
     )
+    if heads == "transformers" or not scaled.has_conv:
+        return scaled
+    official_heads = max(1, int(discriminator.num_attention_heads * size_multiplier))
+    head_size = hidden // official_heads
+    if official_heads // discriminator.head_ratio < 1:  # no head left after the bottleneck: switch it off
+        official = scaled.replace(num_attention_heads=1, head_ratio=1, attention_head_size=head_size)
+    else:
+        ratio = discriminator.head_ratio
+        official = scaled.replace(num_attention_heads=official_heads // ratio * ratio, attention_head_size=head_size)
+    # Stated explicitly only where transformers' derivation would give another size (so it still exports).
+    return official.replace(attention_head_size=None) if official.derived_head_dim == head_size else official
 
 
 # The ConvBERT paper, Table 5 (pre-training hyper-parameters) and Table 1 (groups).
@@ -200,7 +244,7 @@ _PRESETS: dict[str, tuple[dict, float]] = {
                   num_groups=1), 1 / 3),
     # Not from the paper: a few-MB model for tests, the quickstart and CPU smoke runs.
     "tiny": (dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
-                  embedding_size=64, max_position_embeddings=128), 1 / 4),
+                  embedding_size=64), 1 / 4),
 }
 PRESET_NAMES = tuple(_PRESETS)
 
@@ -232,6 +276,12 @@ class ElectraConfig:
     objective: str = "electra"
     mask_prob: float = 0.15
     mask_token_prob: float = 0.85  # of the masked positions; the rest keep their token
+    # "fixed": the official code's per-sequence count, k = max(1, min(cap, round(mask_prob x real tokens)))
+    # positions of each sequence (real tokens counted with [CLS]/[SEP]); "bernoulli": every maskable
+    # token independently with probability mask_prob (BERT/transformers' collator).
+    masking: str = "fixed"
+    # The cap of "fixed" masking; None: the official int((mask_prob + 0.005) x seq_len), 19 at 128, 79 at 512.
+    max_predictions_per_seq: int | None = None
     rtd_weight: float = 50.0
     temperature: float = 1.0
     tie_generator_body: bool = False  # the generator is the discriminator's encoder + an MLM head
@@ -253,6 +303,12 @@ class ElectraConfig:
         if self.objective == "electra" and self.generator is None:
             _fail(own, "generator", None, "the electra objective needs a generator",
                   "use ElectraConfig.from_preset(...) or generator_config(discriminator, 1/4)")
+        if self.masking not in MASKING_MODES:
+            _fail(own, "masking", self.masking, "unknown masking mode", f"use one of {MASKING_MODES}")
+        cap = self.max_predictions_per_seq
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            _fail(own, "max_predictions_per_seq", cap, "must be a positive integer or None",
+                  "leave it None for the official int((mask_prob + 0.005) x seq_len)")
         for name in ("mask_prob", "mask_token_prob"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
@@ -274,6 +330,12 @@ class ElectraConfig:
                     _fail(own, f"generator.{name}", getattr(self.generator, name),
                           f"differs from discriminator.{name}={getattr(disc, name)} but the embeddings are shared",
                           "make them equal")
+
+    def max_predictions(self, seq_len: int) -> int:
+        """The most positions "fixed" masking takes from one sequence of ``seq_len`` tokens."""
+        if self.max_predictions_per_seq is not None:
+            return self.max_predictions_per_seq
+        return max(1, int((self.mask_prob + 0.005) * seq_len))
 
     @classmethod
     def from_preset(cls, name: str, generator_multiplier: float | None = None, **model_overrides) -> "ElectraConfig":

@@ -25,7 +25,7 @@ from convbert_ds.config import (
 )
 from convbert_ds.data.loader import parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split
-from convbert_ds.engine.checkpoint import latest_complete, read_trainer_state
+from convbert_ds.engine.checkpoint import COMPLETE, latest_complete, read_trainer_state
 from convbert_ds.engine.pipeline import check_pipeline_ds_config, pipeline_layer_names
 from convbert_ds.engine.train_config import TrainConfig
 from convbert_ds.engine.universal import Layout
@@ -64,6 +64,9 @@ class RunPlan:
     sets: list  # [(shard dir, weight)]
     tokenizer: dict  # the shards' tokenizer, as their manifest records it
     has_valid: bool  # every shard dir has a validation split
+    micro_batch_size: int  # train.micro_batch_size, or global / data-parallel ranks when that is null
+    # phase.continue_from resolved to one checkpoint, when this run starts from it (its own dir is empty)
+    continue_from: Path | None = None
 
     @property
     def pipelined(self) -> bool:
@@ -119,11 +122,11 @@ def precision_of(cfg: TrainConfig, ds_config: dict) -> str:
     return "fp32"
 
 
-def build_ds_config(cfg: TrainConfig, base: dict, grad_accum: int, precision: str) -> dict:
+def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_accum: int, precision: str) -> dict:
     """The training config's batch, optimiser, schedule and precision written into the DeepSpeed file's."""
     t = cfg.train
     ds = dict(base)
-    ds.update(train_batch_size=t.global_batch_size, train_micro_batch_size_per_gpu=t.micro_batch_size,
+    ds.update(train_batch_size=t.global_batch_size, train_micro_batch_size_per_gpu=micro_batch_size,
               gradient_accumulation_steps=grad_accum, gradient_clipping=t.grad_clip, steps_per_print=10**9)
     ds["optimizer"] = {"type": "AdamW", "params": {
         "lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps, "weight_decay": t.weight_decay,
@@ -152,13 +155,17 @@ def _electra_config(cfg: TrainConfig, vocab_size: int, special_ids: dict) -> Ele
             raise ConfigError(f"model.overrides.vocab_size={overrides['vocab_size']} but the shards' tokenizer has "
                               f"{vocab_size} tokens; drop the override (the vocabulary is read from the manifest)")
         overrides.update(vocab_size=vocab_size, pad_token_id=special_ids["pad"])
-        overrides.setdefault("max_position_embeddings", max(cfg.data.seq_len, 128))
         body = preset(m.preset, **overrides)
+        if cfg.data.seq_len > body.max_position_embeddings:
+            raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds max_position_embeddings="
+                              f"{body.max_position_embeddings} (model.overrides); raise it (512 by default, whatever "
+                              "the training length, so that exported models take 512 tokens) or shorten seq_len")
         mult = m.generator_multiplier or (1.0 if m.tie_generator_body else preset_generator_multiplier(m.preset))
-        generator = generator_config(body, mult)
+        generator = generator_config(body, mult, heads=m.generator_heads)
     return ElectraConfig(
         discriminator=body, generator=generator if m.objective == "electra" else None, objective=m.objective,
-        rtd_weight=m.rtd_weight, mask_prob=m.mask_prob, tie_generator_body=m.tie_generator_body,
+        rtd_weight=m.rtd_weight, mask_prob=m.mask_prob, masking=m.masking,
+        max_predictions_per_seq=m.max_predictions_per_seq, tie_generator_body=m.tie_generator_body,
         mask_token_id=special_ids["mask"], special_token_ids=tuple(special_ids[k] for k in ("pad", "cls", "sep")))
 
 
@@ -177,8 +184,8 @@ def _init_bodies(cfg: TrainConfig, vocab_size: int) -> tuple[ModelConfig, ModelC
     return body, (generator.replace(**overrides) if generator else generator_config(body, mult))
 
 
-def _check_combinations(cfg: TrainConfig, world_size: int) -> int:
-    """Checks across keys; returns the gradient accumulation."""
+def _check_combinations(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
+    """Checks across keys; returns the micro-batch size and the gradient accumulation."""
     t, p, m = cfg.train, cfg.pipeline, cfg.model
     if m.tie_generator_body:
         if m.objective != "electra":
@@ -194,11 +201,20 @@ def _check_combinations(cfg: TrainConfig, world_size: int) -> int:
     if world_size % p.stages:
         raise ConfigError(f"pipeline.stages={p.stages}: must divide the number of processes ({world_size})")
     data_parallel = world_size // p.stages
-    per_step = t.micro_batch_size * data_parallel
+    micro = t.micro_batch_size
+    if micro is None:
+        if t.global_batch_size % data_parallel:
+            raise ConfigError(f"train.micro_batch_size=null splits train.global_batch_size={t.global_batch_size} "
+                              f"between the {data_parallel} data-parallel ranks, which it is not a multiple of; set "
+                              "train.micro_batch_size, or a global batch that is a multiple of the ranks")
+        micro = t.global_batch_size // data_parallel
+    per_step = micro * data_parallel
     if t.global_batch_size % per_step:
+        fits = [m for m in range(micro, 0, -1) if t.global_batch_size % (m * data_parallel) == 0]
+        fix = (f"keep the published batch with train.micro_batch_size={fits[0]} (gradient accumulation makes up the "
+               "rest) or null" if fits else f"use a global batch that is a multiple of {data_parallel}")
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size "
-                          f"({t.micro_batch_size}) x data-parallel ranks ({data_parallel}) = {per_step}; "
-                          f"use e.g. {per_step * max(1, round(t.global_batch_size / per_step))}")
+                          f"({micro}) x data-parallel ranks ({data_parallel}) = {per_step}; {fix}")
     d = cfg.eval.downstream
     if d.interval:
         if d.interval % cfg.checkpoint.interval:
@@ -213,7 +229,7 @@ def _check_combinations(cfg: TrainConfig, world_size: int) -> int:
                 raise ConfigError(f"eval.downstream.{name}={value!r}: not found; point it at the task's files")
         if d.nice > 19:
             raise ConfigError(f"eval.downstream.nice={d.nice}: use a priority in [0, 19]")
-    return t.global_batch_size // per_step
+    return micro, t.global_batch_size // per_step
 
 
 def _has_valid(path: Path) -> bool:
@@ -233,37 +249,60 @@ def _differences(saved, now, path: str = "") -> list[str]:
     return [] if saved == now else [f"{path}={saved!r} there, {now!r} here"]
 
 
-def _check_resumable(cfg: TrainConfig, electra: ElectraConfig, tokenizer: dict) -> None:
-    """A checkpoint this run would resume must hold the same model, made from the same tokenizer: any
-    layout can be resumed, another model cannot (its weights would not fit, or would mean other tokens)."""
-    directory = Path(cfg.checkpoint.dir)
-    tag = latest_complete(directory)
-    if tag is None:
-        return
+def _check_resumable(tag_dir: Path, key: str, electra: ElectraConfig, tokenizer: dict) -> None:
+    """A checkpoint this run would resume (``key``: checkpoint.dir) or continue (phase.continue_from) must
+    hold the same model, made from the same tokenizer: any layout can be resumed, another model cannot (its
+    weights would not fit, or would mean other tokens)."""
     try:
-        state = read_trainer_state(directory / tag)
+        state = read_trainer_state(tag_dir)
     except (OSError, ValueError):  # damaged: the resume's verification sets the tag aside and says so
         return
-    fix = "resume with the model config it was trained with, or set checkpoint.dir to a new directory"
+    where = f"{key}={str(tag_dir if key != 'checkpoint.dir' else tag_dir.parent)!r}"
+    fix = ("resume with the model config it was trained with, or set checkpoint.dir to a new directory"
+           if key == "checkpoint.dir" else "use the model config of that phase (model.preset, model.overrides)")
     saved_model = {k: v for k, v in state.get("electra_config", {}).items() if k in _ARCHITECTURE_KEYS}
     model = json.loads(json.dumps({k: v for k, v in electra.to_dict().items() if k in _ARCHITECTURE_KEYS}))
     changed = _differences(saved_model, model)
     if changed:
-        raise ConfigError(f"checkpoint.dir={str(directory)!r} holds a run of another model ({tag}: "
-                          f"{'; '.join(changed[:3])}); {fix}")
+        positions = [c for c in changed if "max_position_embeddings" in c]
+        if positions and len(positions) == len(changed):
+            fix = ("a model's position table is fixed when it is created: its phase 1 must be trained with the "
+                   "positions phase 2 needs (512 by default)")
+        raise ConfigError(f"{where} holds a run of another model ({tag_dir.name}: {'; '.join(changed[:3])}); {fix}")
     if "tokenizer" in state and state["tokenizer"].get("sha256") != tokenizer.get("sha256"):
-        raise ConfigError(f"checkpoint.dir={str(directory)!r} holds a run on shards of another tokenizer ({tag}); "
-                          f"shard the corpus with that run's tokenizer, or set checkpoint.dir to a new directory")
+        raise ConfigError(f"{where} holds a run on shards of another tokenizer ({tag_dir.name}); shard the corpus "
+                          f"with that run's tokenizer, or set {key} to another directory")
+
+
+def previous_phase(cfg: TrainConfig, exists: bool = True) -> Path | None:
+    """``phase.continue_from`` as one complete checkpoint: the directory's newest, or the tag named
+    (``exists=False``: only the check that it is not this run's own directory)."""
+    value = cfg.phase.continue_from
+    if value is None:
+        return None
+    path, own = Path(value), Path(cfg.checkpoint.dir)
+    if path.resolve() == own.resolve() or own.resolve() in path.resolve().parents:
+        raise ConfigError(f"phase.continue_from={value!r} is inside this run's checkpoint.dir={str(own)!r}; a new "
+                          "phase writes its own checkpoints: give it another checkpoint.dir")
+    if not exists:
+        return None
+    if (path / COMPLETE).is_file():
+        return path
+    tag = latest_complete(path) if path.is_dir() else None
+    if tag is None:
+        raise ConfigError(f"phase.continue_from={value!r}: no complete checkpoint there; point it at the previous "
+                          "phase's checkpoint.dir (or one stepNNNNNNNN directory in it)")
+    return path / tag
 
 
 def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunPlan:
     """Check everything that needs no process group and resolve the run (see the module docstring)."""
-    grad_accum = _check_combinations(cfg, world_size)
+    micro_batch_size, grad_accum = _check_combinations(cfg, world_size)
     base_ds = load_ds_config(cfg)
     precision = precision_of(cfg, base_ds)
     if precision == "fp16" and not (torch.cuda.is_available() if cuda is None else cuda):
         raise ConfigError("fp16 needs a GPU (DeepSpeed refuses fp16 on CPU); use train.precision=bf16 or fp32")
-    ds_config = build_ds_config(cfg, base_ds, grad_accum, precision)
+    ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision)
     if cfg.pipeline.stages > 1:
         check_pipeline_ds_config(ds_config)
     sets = parse_sets(cfg.data.sets)
@@ -279,7 +318,14 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     if cfg.pipeline.stages > layers:
         raise ConfigError(f"pipeline.stages={cfg.pipeline.stages}: the model has {layers} layers with weights to "
                           f"divide between the stages; use at most {layers} stages")
-    _check_resumable(cfg, electra, first.tokenizer)
+    own = latest_complete(Path(cfg.checkpoint.dir))
+    if own is not None:
+        _check_resumable(Path(cfg.checkpoint.dir) / own, "checkpoint.dir", electra, first.tokenizer)
+    # Once this phase has a checkpoint of its own, the previous phase is not read again (nor needed).
+    continue_from = previous_phase(cfg, exists=own is None)
+    if own is None and continue_from is not None:
+        _check_resumable(continue_from, "phase.continue_from", electra, first.tokenizer)
     return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
                    electra=electra, sets=sets, tokenizer=first.tokenizer,
-                   has_valid=all(_has_valid(path) for path, _ in sets))
+                   has_valid=all(_has_valid(path) for path, _ in sets), micro_batch_size=micro_batch_size,
+                   continue_from=continue_from)

@@ -8,6 +8,7 @@
     log:        {interval: 50, dir: null}
     deepspeed:  {config: ds_configs/zero1_bf16.json}       # a path, or an inline dict
     pipeline:   {stages: 1}
+    phase:      {continue_from: null}                       # a phase 2 names phase 1's checkpoint.dir
 
 Each key's type, default, lower bound and meaning are declared once, below (``Key``); loading checks
 them and ``python -m convbert_ds.train --help`` prints them. Checks that need several keys, the shards
@@ -54,6 +55,16 @@ class ModelSection:
         "ELECTRA's 'tie all weights': the generator is the discriminator's encoder under its own MLM head "
         "(generator_multiplier 1.0); with rtd_weight 1 what makes the tiny preset transfer")] = False
     mask_prob: Annotated[float, Key("share of tokens masked", min=0.0)] = 0.15
+    masking: Annotated[Literal["fixed", "bernoulli"], Key(
+        "fixed: the official code's count per sequence, max(1, min(max_predictions_per_seq, round(mask_prob x "
+        "real tokens))) positions; bernoulli: each token with probability mask_prob")] = "fixed"
+    max_predictions_per_seq: Annotated[int | None, Key(
+        "cap of fixed masking; null: the official int((mask_prob + 0.005) x seq_len), 19 at 128, 79 at 512",
+        min=1)] = None
+    generator_heads: Annotated[Literal["transformers", "official"], Key(
+        "generator heads when it is too narrow for the bottleneck (small): transformers (1+1 heads of hidden/2; "
+        "exports) or official (1+1 heads of the full head size, as yitu-opensource/ConvBert; not exported)")] = \
+        "transformers"
     overrides: Annotated[dict, Key("any ModelConfig field, e.g. {num_hidden_layers: 2}; with init_from_hf only "
                                    "dropout and sdconv_impl")] = field(default_factory=dict)
     init_from_hf: Annotated[str | None, Key("continue pretraining a published model: a directory written by "
@@ -72,7 +83,8 @@ class DataSection:
 
 @dataclass
 class TrainSection:
-    micro_batch_size: Annotated[int, Key("samples per rank per forward/backward", min=1)] = 32
+    micro_batch_size: Annotated[int | None, Key("samples per rank per forward/backward; null: global_batch_size / "
+                                                "data-parallel ranks (no gradient accumulation)", min=1)] = 32
     global_batch_size: Annotated[int, Key("samples per optimiser step, all ranks (gradient accumulation "
                                           "makes up the rest)", min=1)] = 128
     steps: Annotated[int, Key("optimiser steps", min=1)] = 1000
@@ -154,6 +166,19 @@ class PipelineSection:
 
 
 @dataclass
+class PhaseSection:
+    """A new phase of a finished (or stopped) run, e.g. the paper's 10% more steps at length 512: the model
+    and, by default, Adam's moments come from that run's checkpoint; this run's own steps, batch, learning-
+    rate schedule and data order (rebuilt for its seq_len) start from zero, in its own checkpoint.dir."""
+
+    continue_from: Annotated[str | None, Key(
+        "the previous phase's checkpoint.dir (its newest complete checkpoint) or one checkpoint in it; used "
+        "once, when this run's checkpoint.dir has no checkpoint yet; null: a first phase")] = None
+    optimizer_state: Annotated[bool, Key("also carry the previous phase's Adam moments (else a fresh "
+                                         "optimizer)")] = True
+
+
+@dataclass
 class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -163,6 +188,7 @@ class TrainConfig:
     log: LogSection = field(default_factory=LogSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
+    phase: PhaseSection = field(default_factory=PhaseSection)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -142,17 +142,19 @@ class Trainer:
             self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.is_logger = dist.get_rank() == 0
         self.train_loader = build_dataloader(
-            cfg.data.sets, "train", seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size,
+            cfg.data.sets, "train", seq_len=cfg.data.seq_len, micro_batch_size=self.plan.micro_batch_size,
             seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
             cache_dir=cfg.data.cache_dir, progress=self.is_logger)
         self.valid_loader = None
         if self.plan.has_valid and cfg.eval.samples > 0:
             self.valid_loader = build_dataloader(
-                cfg.data.sets, "valid", seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size,
+                cfg.data.sets, "valid", seq_len=cfg.data.seq_len, micro_batch_size=self.plan.micro_batch_size,
                 seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, max_samples=cfg.eval.samples,
                 cache_dir=cfg.data.cache_dir, progress=self.is_logger)
         self.ckpt_dir = Path(cfg.checkpoint.dir)
         self.step, self.nonfinite_total = 0, 0
+        # Which phase this run is, and what the earlier ones saw (a first phase: index 1, nothing before).
+        self.phase = {"index": 1, "samples_before": 0, "tokens_before": 0}
         self._resume()
         if self.step == 0:  # a resumed run has its RNG states back from the checkpoint
             torch.manual_seed(cfg.train.seed + 1 + dist.get_rank())
@@ -172,8 +174,11 @@ class Trainer:
         dist.barrier()
         tag = checkpoint.agreed_resume_tag(self.ckpt_dir, self.cfg.checkpoint.verify)
         if tag is None:
+            if self.plan.continue_from is not None:
+                self._start_phase(self.plan.continue_from)
             return
         state = checkpoint.read_trainer_state(self.ckpt_dir / tag)
+        self.phase = state.get("phase", self.phase)
         saved, now = Layout.of_checkpoint(state), self.plan.layout
         if saved == now:  # the bit-exact path: every rank reads its own files
             checkpoint.load(self.engine, self.ckpt_dir, tag)
@@ -191,20 +196,50 @@ class Trainer:
                       "the sample stream goes on where it stopped, each step now takes the new batch, and the "
                       "learning-rate schedule still counts steps", flush=True)
 
-    def _load_other_layout(self, tag: str, saved: Layout) -> str:
-        """Resume a checkpoint written in another layout through its universal copy (converted once by
-        rank 0, kept beside the checkpoint for the next resume); returns the log line's addition."""
-        tag_dir = self.ckpt_dir / tag
+    def _start_phase(self, tag_dir: Path) -> None:
+        """Begin a new phase from the previous one's checkpoint (``phase.continue_from``): its weights and
+        (``phase.optimizer_state``) Adam's moments, in any layout; this run's step, schedule and data start at 0."""
+        state = checkpoint.read_trainer_state(tag_dir)
 
+        def check() -> None:
+            problem = checkpoint.verify(tag_dir, self.cfg.checkpoint.verify)
+            if problem is not None:
+                raise checkpoint.CheckpointError(f"phase.continue_from: {tag_dir} is damaged ({problem}); point "
+                                                 "phase.continue_from at an older checkpoint of that run")
+
+        distributed.on_rank0(check)
+        self._convert_to_universal(tag_dir, Layout.of_checkpoint(state))
+        universal.load_into(self.engine, tag_dir / universal.UNIVERSAL, self.electra, self.pipelined,
+                            new_phase=True, moments=self.cfg.phase.optimizer_state)
+        before = state.get("phase", {"index": 1, "samples_before": 0, "tokens_before": 0})
+        # A checkpoint's counts are totals over its phase and every one before it.
+        samples, tokens = state.get("samples_seen", 0), state.get("tokens_seen", 0)
+        self.phase = {"index": before["index"] + 1, "samples_before": samples, "tokens_before": tokens,
+                      "continued_from": str(tag_dir), "from_step": state["step"]}
+        if self.is_logger:
+            old_len = state.get("config", {}).get("data", {}).get("seq_len")
+            print(f"phase {self.phase['index']}: continuing from {tag_dir} (its step {state['step']}, seq_len "
+                  f"{old_len} -> {self.cfg.data.seq_len}, {tokens:,} tokens seen before); "
+                  f"{'weights and Adam moments' if self.cfg.phase.optimizer_state else 'weights only'}, then "
+                  f"{self.cfg.train.steps} steps of its own: new learning-rate schedule, new data order", flush=True)
+
+    def _convert_to_universal(self, tag_dir: Path, saved: Layout) -> None:
+        """Rank 0 writes ``tag_dir/universal`` once (kept there for the next reader); every rank waits."""
         def convert() -> None:
             if not (tag_dir / universal.UNIVERSAL / universal.META).is_file():
                 print(f"converting {tag_dir} ({saved}) to a universal checkpoint for {self.plan.layout}", flush=True)
             try:
                 universal.convert(tag_dir, saved, self.electra)
             except OSError as error:  # e.g. no space for the copy: one line, not a traceback per rank
-                raise universal.ReshapeError(f"cannot resume {tag_dir} in another layout: {error}") from None
+                raise universal.ReshapeError(f"cannot read {tag_dir} in another layout: {error}") from None
 
         distributed.on_rank0(convert)
+
+    def _load_other_layout(self, tag: str, saved: Layout) -> str:
+        """Resume a checkpoint written in another layout through its universal copy (converted once by
+        rank 0, kept beside the checkpoint for the next resume); returns the log line's addition."""
+        tag_dir = self.ckpt_dir / tag
+        self._convert_to_universal(tag_dir, saved)
         universal.load_into(self.engine, tag_dir / universal.UNIVERSAL, self.electra, self.pipelined)
         # The saved random streams belong to the old ranks; new ones, the same on every rerun.
         seed = np.random.SeedSequence([self.cfg.train.seed, checkpoint.step_of(tag), dist.get_rank()])
@@ -279,8 +314,10 @@ class Trainer:
         interval retries; a failed ``final`` one (the run's last) is an error the caller exits on."""
         state = {
             "step": self.step, "data": self.train_loader.state_dict(), "nonfinite_total": self.nonfinite_total,
-            "samples_seen": self.train_loader.consumed_samples,
-            "tokens_seen": self.train_loader.consumed_samples * self.cfg.data.seq_len,
+            # Totals over every phase of the model (the checkpoint's model has seen all of them).
+            "samples_seen": self.phase["samples_before"] + self.train_loader.consumed_samples,
+            "tokens_seen": self.phase["tokens_before"] + self.train_loader.consumed_samples * self.cfg.data.seq_len,
+            "phase": self.phase,
             "config": self.cfg.to_dict(), "electra_config": self.electra.to_dict(), "precision": self.precision,
             "pipeline_stages": self.cfg.pipeline.stages, "world_size": dist.get_world_size(),
             "zero_stage": self.plan.zero_stage,

@@ -328,21 +328,27 @@ def _set_zero3_piece(optimizer, param, value: torch.Tensor, key: str | None) -> 
     piece[:flat.numel()].copy_(flat)
 
 
-def load_into(engine, universal_dir: Path, electra: ElectraConfig, pipelined: bool) -> dict:
+def load_into(engine, universal_dir: Path, electra: ElectraConfig, pipelined: bool, new_phase: bool = False,
+              moments: bool = True) -> dict:
     """Set this rank's part of the weights, fp32 masters, Adam moments and step, the LR schedule and
-    DeepSpeed's counters from ``universal_dir``; returns its metadata. Every rank calls it."""
+    DeepSpeed's counters from ``universal_dir``; returns its metadata. Every rank calls it.
+
+    ``new_phase``: the weights (and with ``moments`` Adam's state) only; the engine keeps its own fresh
+    schedule and counters. ``moments=False``: Adam starts afresh (step 0, zero moments).
+    """
     meta = json.loads((universal_dir / META).read_text())
+    quantities = QUANTITIES if moments else QUANTITIES[:1]
     optimizer, base = engine.optimizer, _base_optimizer(engine)
     masters = _fp32_copies(engine)
     if base is not optimizer and masters is None and not hasattr(optimizer, "_lazy_init_hp_params_optimizer_state") \
             and not hasattr(optimizer, "fp32_partitioned_groups_flat"):
         raise ReshapeError(f"cannot load a universal checkpoint into {type(optimizer).__name__} (fp16 without "
                            "ZeRO); use a ZeRO-1 DeepSpeed config, or resume with the checkpoint's own layout")
-    _init_adam_state(engine, torch.tensor(float(meta["optimizer_step"])))
-    files = {q: safe_open(str(universal_dir / f"{q}.safetensors"), framework="pt") for q in QUANTITIES}
+    _init_adam_state(engine, torch.tensor(float(meta["optimizer_step"] if moments else 0)))
+    files = {q: safe_open(str(universal_dir / f"{q}.safetensors"), framework="pt") for q in quantities}
     with torch.no_grad():
         for name, param in _module_names(engine, electra, pipelined):
-            values = {q: files[q].get_tensor(name) for q in QUANTITIES}
+            values = {q: files[q].get_tensor(name) for q in quantities}
             if hasattr(param, "ds_id"):  # ZeRO-3: this rank's piece of the fp32 copy and of each moment
                 for quantity, value in values.items():
                     _set_zero3_piece(optimizer, param, value, None if quantity == "fp32" else quantity)
@@ -354,11 +360,13 @@ def load_into(engine, universal_dir: Path, electra: ElectraConfig, pipelined: bo
                 master = masters[param] if masters else param
                 master.data.copy_(values["fp32"])
                 param.data.copy_(values["fp32"].to(param.dtype))
-                for quantity in QUANTITIES[1:]:
+                for quantity in quantities[1:]:
                     base.state[master][quantity].copy_(values[quantity])
     if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: the module's pieces from the fp32 copy
         for fp32, lp in zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_partitioned_groups_flat):
             lp.data.copy_(fp32.data)
+    if new_phase:
+        return meta
     if engine.lr_scheduler is not None and meta["lr_scheduler"]:
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
         # The schedule's position alone sets no rate: the optimizer's groups get it at the next step.

@@ -1,7 +1,8 @@
 """ELECTRA-style pretraining of ConvBERT: generator MLM + discriminator replaced-token detection.
 
 One step, as in ELECTRA (Clark et al. 2020) and the ConvBERT paper's appendix:
-1. mask 15% of the real tokens; of those, 85% become [MASK], 15% keep their token;
+1. mask 15% of the real tokens (``ElectraConfig.masking``: the official code's fixed count per
+   sequence by default, or each token independently); of those, 85% become [MASK], 15% keep their token;
 2. the generator (a narrower ConvBERT sharing the embedding tables) predicts the
    masked tokens (MLM loss) and one replacement per masked position is sampled
    from its softmax with Gumbel noise at temperature 1 (no gradient flows
@@ -35,19 +36,48 @@ IGNORE_INDEX = -100
 
 def mask_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config: ElectraConfig,
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic masking. Returns ``(masked_ids, mlm_labels)``; labels are ``-100`` where not masked."""
+    """Dynamic masking. Returns ``(masked_ids, mlm_labels)``; labels are ``-100`` where not masked.
+
+    Which positions: ``config.masking`` (see ``ElectraConfig``). Of those, ``mask_token_prob`` (85%) become
+    [MASK] and the rest keep their token; none gets a random token (ELECTRA's and ConvBERT's code).
+    """
     can_mask = torch.ones_like(input_ids, dtype=torch.bool)
-    for special in config.special_token_ids:
+    for special in (*config.special_token_ids, config.mask_token_id):
         can_mask &= input_ids != special
     if attention_mask is not None:
         can_mask &= attention_mask.bool()
-    draw = torch.rand(input_ids.shape, device=input_ids.device, generator=generator)
-    masked = can_mask & (draw < config.mask_prob)
-    # Re-use the same draw: among masked positions (draw < p), the lowest 85% of the range get [MASK].
-    use_mask_token = masked & (draw < config.mask_prob * config.mask_token_prob)
+    if config.masking == "fixed":
+        masked = _fixed_count(can_mask, attention_mask, config, generator)
+        draw = torch.rand(input_ids.shape, device=input_ids.device, generator=generator)
+        use_mask_token = masked & (draw < config.mask_token_prob)
+    else:
+        draw = torch.rand(input_ids.shape, device=input_ids.device, generator=generator)
+        masked = can_mask & (draw < config.mask_prob)
+        # Re-use the same draw: among masked positions (draw < p), the lowest 85% of the range get [MASK].
+        use_mask_token = masked & (draw < config.mask_prob * config.mask_token_prob)
     masked_ids = torch.where(use_mask_token, torch.full_like(input_ids, config.mask_token_id), input_ids)
     labels = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
     return masked_ids, labels
+
+
+def _fixed_count(can_mask: torch.Tensor, attention_mask: torch.Tensor | None, config: ElectraConfig,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    """The official count per sequence, k = max(1, min(cap, round(mask_prob x real tokens))), at k distinct
+    positions drawn uniformly among the maskable ones (fewer only when fewer are maskable).
+
+    The official code draws its k positions with replacement, so a duplicate masks one position less
+    (about 17.7 instead of 19 at 128 tokens); we draw k distinct positions: the count is the formula's.
+    """
+    batch, seq_len = can_mask.shape
+    real = attention_mask.sum(-1) if attention_mask is not None else torch.full((batch,), seq_len)
+    cap = min(config.max_predictions(seq_len), seq_len)
+    count = torch.round(real.to(torch.float64) * config.mask_prob).long().clamp(1, cap)  # round half to even
+    count = torch.minimum(count.to(can_mask.device), can_mask.sum(-1))
+    # Uniform scores, non-candidates last: the ``cap`` lowest are a uniform draw without replacement.
+    scores = torch.rand(can_mask.shape, device=can_mask.device, generator=generator).masked_fill(~can_mask, 2.0)
+    chosen = scores.topk(cap, dim=-1, largest=False).indices
+    keep = torch.arange(cap, device=can_mask.device) < count[:, None]
+    return torch.zeros_like(can_mask).scatter_(1, chosen, keep)
 
 
 def gumbel_sample(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -56,6 +56,17 @@ class SeparableConv1D(nn.Module):
         self.pointwise = nn.Conv1d(in_channels, out_channels, kernel_size=1, bias=False)
         self.bias = nn.Parameter(torch.zeros(out_channels, 1))
 
+    @torch.no_grad()
+    def reset(self, std: float) -> None:
+        """The official code's initialisation (yitu-opensource/ConvBert, ``conv_attn_key``): truncated normals
+        cut at two standard deviations (TensorFlow's ``truncated_normal_initializer``): the K depthwise taps
+        with std 1/K (9: 0.111, so the window's output starts with 1/K of its input's variance), the pointwise
+        projection with ``std`` (0.02); bias zero. transformers draws both from a normal with std 0.02."""
+        taps = 1.0 / self.depthwise.kernel_size[0]
+        nn.init.trunc_normal_(self.depthwise.weight, 0.0, taps, -2 * taps, 2 * taps)
+        nn.init.trunc_normal_(self.pointwise.weight, 0.0, std, -2 * std, 2 * std)
+        self.bias.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[B, T, C_in]`` -> ``[B, T, C_out]``."""
         return (self.pointwise(self.depthwise(x.transpose(1, 2))) + self.bias).transpose(1, 2)
@@ -196,8 +207,9 @@ class ConvBertLayer(nn.Module):
 
 @torch.no_grad()
 def init_weights(module: nn.Module, std: float) -> None:
-    """BERT's initialisation, as transformers applies it to ConvBERT."""
-    if isinstance(module, (nn.Linear, nn.Conv1d, GroupedLinear)):
+    """BERT's initialisation as transformers applies it to ConvBERT (normal, ``std``), except the span-aware
+    key's separable convolution, initialised as the official code does (``SeparableConv1D.reset``)."""
+    if isinstance(module, (nn.Linear, GroupedLinear)):
         module.weight.normal_(0.0, std)
         if module.bias is not None:
             module.bias.zero_()
@@ -209,4 +221,4 @@ def init_weights(module: nn.Module, std: float) -> None:
         module.weight.fill_(1.0)
         module.bias.zero_()
     elif isinstance(module, SeparableConv1D):
-        module.bias.zero_()
+        module.reset(std)

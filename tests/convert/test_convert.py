@@ -37,6 +37,8 @@ RUNS = {
                       "pipeline.stages=2", "train.micro_batch_size=4"],
     "mlm_zero0_bf16": ["deepspeed.config=ds_configs/zero0_bf16.json", "train.precision=bf16", "model.objective=mlm"],
     "tied": ["deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32", "model.tie_generator_body=true"],
+    "official_generator": ["deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32",
+                           "model.generator_heads=official"],
 }
 FP32_KINDS = ["zero0", "zero1", "zero2", "zero3", "pipeline", "tied"]
 
@@ -124,6 +126,47 @@ def test_checkpoint_converts_to_transformers_with_equal_outputs(kind, runs, conv
     assert torch.equal(gen["generator_lm_head.weight"], gen["convbert.embeddings.word_embeddings.weight"])
     card = (out / "README.md").read_text()
     assert "steps: 3" in card and "tokens seen: 3,072" in card and tiny_corpus_sha(tiny_corpus) in card
+
+
+def test_exported_models_take_512_tokens_whatever_the_training_length(runs, converted):
+    """The runs trained at seq_len 64; their position tables (512 by default, as the official config) are
+    whole in the export, and transformers computes what our model computes over 512 tokens."""
+    out, ours = converted[0]["zero2"], _our_model(runs["zero2"])
+    assert json.loads((out / "discriminator" / "config.json").read_text())["max_position_embeddings"] == 512
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 2000, (2, 512), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 300:] = 0
+    ids[1, 300:] = 0
+    types = torch.zeros_like(ids)
+    types[:, 200:] = 1
+    body = _hf(transformers.AutoModel, out / "discriminator")
+    mlm = _hf(transformers.AutoModelForMaskedLM, out / "generator")
+    with torch.no_grad():
+        hidden = body(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        assert hidden.shape == (2, 512, 128)
+        torch.testing.assert_close(hidden, ours.discriminator.convbert(ids, mask, types), atol=1e-5, rtol=0)
+        torch.testing.assert_close(mlm(input_ids=ids, attention_mask=mask, token_type_ids=types).logits,
+                                   ours.generator(ids, mask, types), atol=1e-5, rtol=0)
+
+
+def test_official_generator_heads_export_the_discriminator_and_say_why_not_the_generator(runs, converted):
+    """The official code's small-generator layout (1 attention + 1 conv head of the full head size, wider than
+    hidden) has no transformers equivalent: the discriminator is written and verified, the generator is not,
+    and the model card says why."""
+    out, ours = converted[0]["official_generator"], _our_model(runs["official_generator"])
+    generator = ours.config.generator
+    assert (generator.hidden_size, generator.num_heads, generator.head_dim) == (32, 1, 32)
+    assert ours.generator.convbert.encoder.layer[0].attention.output.dense.in_features == 64
+    assert not (out / "generator").exists() and (out / "discriminator" / "model.safetensors").is_file()
+    assert "generator/ is not written" in (out / "README.md").read_text()
+    assert "attention_head_size=32" in (out / "README.md").read_text()
+    assert max(converted[1]["official_generator"].values()) < 1e-5
+    body = _hf(transformers.AutoModel, out / "discriminator")
+    ids = torch.randint(5, 2000, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(body(input_ids=ids).last_hidden_state, ours.discriminator.convbert(ids),
+                                   atol=1e-5, rtol=0)
 
 
 def test_tied_generator_exports_the_discriminator_encoder(converted):

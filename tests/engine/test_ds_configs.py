@@ -35,7 +35,7 @@ def test_file_parses_in_deepspeed_as_its_name_says(path):
     precision = precision_of(cfg, base)
     assert precision == path.stem.split("_")[-1]
     grad_accum = cfg.train.global_batch_size // cfg.train.micro_batch_size  # one data-parallel rank
-    parsed = DeepSpeedConfig(build_ds_config(cfg, base, grad_accum, precision))
+    parsed = DeepSpeedConfig(build_ds_config(cfg, base, cfg.train.micro_batch_size, grad_accum, precision))
 
     stage = 1 if path.stem.startswith("pipeline") else int(path.stem[len("zero")])
     assert parsed.zero_optimization_stage == stage

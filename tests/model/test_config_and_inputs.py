@@ -89,3 +89,51 @@ def test_bad_inputs_get_clear_errors():
         model(torch.ones(1, 5, dtype=torch.long), attention_mask=torch.ones(1, 4))
     with pytest.raises(InputError, match="integer tensor"):
         model(torch.ones(1, 5))
+
+
+def test_span_aware_key_conv_is_initialised_as_the_official_code():
+    """yitu-opensource/ConvBert: depthwise taps ~ truncated normal(std 1/K), pointwise ~ truncated normal(0.02),
+    both cut at 2 std (TensorFlow's truncated_normal_initializer); bias zero."""
+    torch.manual_seed(0)
+    model = ConvBertModel(preset("base", vocab_size=100, num_hidden_layers=2))
+    conv = model.encoder.layer[0].attention.self.key_conv_attn_layer
+    cut_std = 0.8796  # the std of a standard normal truncated at +-2
+    for weight, std in ((conv.depthwise.weight, 1 / 9), (conv.pointwise.weight, 0.02)):
+        values = weight.detach().flatten()
+        assert values.abs().max() <= 2 * std + 1e-7
+        assert abs(values.std().item() / (std * cut_std) - 1) < 0.03, (values.std().item(), std)
+        assert abs(values.mean().item()) < 0.02 * std * 10
+        # The tails fill up to the cut: not a narrower normal.
+        assert (values.abs() > 1.8 * std).float().mean() > 0.01
+    assert not conv.bias.any()
+    # The other dense layers keep transformers' normal(0.02): draws beyond 2 std exist.
+    query = model.encoder.layer[0].attention.self.query.weight.detach()
+    assert query.abs().max() > 2 * 0.02 and abs(query.std().item() - 0.02) < 0.001
+
+
+@pytest.mark.parametrize("name, heads, head_dim, width", [
+    # The official code: ConvBERT-small's generator (hidden 64, 4 x 1/4 = 1 head) has no head left after the
+    # bottleneck, which it then switches off: 1 attention + 1 conv head of 64/1 = 64 (concatenation 128).
+    ("small", 1, 64, 64),
+    ("medium-small", 1, 48, 48),  # 8 x 1/4 = 2 heads -> 1 + 1 of 96/2 = 48: as transformers
+    ("base", 2, 64, 128),  # 12 x 1/3 = 4 heads -> 2 + 2 of 256/4 = 64: as transformers
+])
+def test_official_generator_heads(name, heads, head_dim, width):
+    from convbert_ds.config import generator_config
+
+    disc = preset(name)
+    official = generator_config(disc, ElectraConfig.from_preset(name).generator.hidden_size / disc.hidden_size,
+                                heads="official")
+    assert (official.num_heads, official.head_dim, official.attention_width) == (heads, head_dim, width)
+    ours = ElectraConfig.from_preset(name).generator
+    if name == "small":  # transformers halves the width: 1 + 1 heads of 32, and cannot express the official one
+        assert (ours.num_heads, ours.head_dim) == (1, 32)
+        with pytest.raises(ConfigError, match="attention_head_size=64.*export the discriminator only"):
+            official.to_hf_dict(["ConvBertForMaskedLM"])
+        model = ConvBertModel(official.replace(vocab_size=100, num_hidden_layers=1))
+        attention = model.encoder.layer[0].attention
+        assert attention.self.query.out_features == 64 and attention.output.dense.in_features == 128
+        out = model(torch.randint(5, 100, (2, 20)))
+        assert out.shape == (2, 20, 64) and torch.isfinite(out).all()
+    else:  # the same config: it exports
+        assert official == ours and official.attention_head_size is None

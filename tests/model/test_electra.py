@@ -16,8 +16,9 @@ def _electra(**overrides) -> ElectraConfig:
     return ElectraConfig(discriminator=disc, generator=generator_config(disc, 0.25), **overrides)
 
 
-def test_masking_rates_and_specials():
-    config = _electra()
+@pytest.mark.parametrize("masking", ["fixed", "bernoulli"])
+def test_masking_rates_and_specials(masking):
+    config = _electra(masking=masking)
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(5, 200, (64, 60), generator=gen)
     input_ids[:, 0], input_ids[:, 30], input_ids[:, -1] = 2, 3, 3
@@ -28,12 +29,43 @@ def test_masking_rates_and_specials():
     masked = labels != IGNORE_INDEX
     eligible = attention_mask.bool() & ~torch.isin(input_ids, torch.tensor(SPECIALS))
     assert not (masked & ~eligible).any(), "specials and padding are never masked"
-    assert abs(masked.sum() / eligible.sum() - 0.15) < 0.01
+    if masking == "fixed":  # 50 real tokens: round(7.5) = 8 (half to even), under the cap int(0.155 x 60) = 9
+        assert masked.sum(-1).tolist() == [8] * 64
+    else:
+        assert abs(masked.sum() / eligible.sum() - 0.15) < 0.01
     to_mask_token = masked_ids == config.mask_token_id
     assert abs(to_mask_token.sum() / masked.sum() - 0.85) < 0.03
     assert torch.equal(masked_ids[masked & ~to_mask_token], input_ids[masked & ~to_mask_token])
     assert torch.equal(masked_ids[~masked], input_ids[~masked])
     assert torch.equal(labels[masked], input_ids[masked])
+
+
+@pytest.mark.parametrize("seq_len,cap", [(128, None), (512, None), (128, 5)])
+def test_fixed_masking_count_per_sequence_is_the_official_formula(seq_len, cap):
+    """k = max(1, min(max_predictions, round(0.15 x real tokens))), over many random sequences: real tokens
+    counted with [CLS] and [SEP], round half to even (tf.round), max_predictions int((0.15 + 0.005) x seq_len)."""
+    config = _electra(masking="fixed", max_predictions_per_seq=cap)
+    assert config.max_predictions(seq_len) == (cap or {128: 19, 512: 79}[seq_len])
+    gen = torch.Generator().manual_seed(seq_len)
+    batch = 2000
+    real = torch.randint(2, seq_len + 1, (batch,), generator=gen)
+    real[:40] = torch.arange(2, 42)  # the short ones, where rounding and the floor of 1 matter
+    positions = torch.arange(seq_len)
+    attention_mask = (positions < real[:, None]).long()
+    input_ids = torch.randint(5, 200, (batch, seq_len), generator=gen) * attention_mask
+    input_ids[:, 0] = 2
+    input_ids[torch.arange(batch), real - 1] = 3
+    _, labels = mask_tokens(input_ids, attention_mask, config, generator=gen)
+    masked = labels != IGNORE_INDEX
+    maskable = (real - 2).clamp(min=0)
+    k = [max(1, min(config.max_predictions(seq_len), round(0.15 * n))) for n in real.tolist()]  # half to even
+    assert masked.sum(-1).tolist() == [min(a, b) for a, b in zip(k, maskable.tolist())]
+    assert not masked[:, 0].any() and not masked[torch.arange(batch), real - 1].any()
+    # Uniform over the maskable positions: every inner position of the full-length rows is picked about equally.
+    full = real == seq_len
+    if full.sum() > 20:
+        rate = masked[full][:, 1:-1].float().mean(0)
+        assert rate.std() / rate.mean() < 0.5
 
 
 def test_gumbel_sampling_follows_the_softmax_without_gradient():

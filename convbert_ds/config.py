@@ -29,6 +29,8 @@ OBJECTIVES = ("electra", "mlm")
 MASKING_MODES = ("fixed", "bernoulli")
 GENERATOR_HEADS = ("transformers", "official")
 MAX_KERNEL_SIZE = 31
+# config.json's model_type for bodies transformers' ConvBERT cannot express (ModelConfig.to_native_dict).
+NATIVE_MODEL_TYPE = "convbert_ds"
 
 
 class ConfigError(UserError, ValueError):
@@ -181,11 +183,20 @@ class ModelConfig:
         hf.update(model_type="convbert", architectures=architectures, tie_word_embeddings=True)
         return hf
 
+    def to_native_dict(self, architectures: list[str]) -> dict:
+        """config.json for a body transformers cannot express (Table 2's conv types, no conv heads, the official
+        generator heads): every field of ours, under ``model_type`` convbert_ds, so that transformers refuses
+        the directory instead of building another model from it; our classes load it (the ablations'
+        fine-tuning)."""
+        return {**self.to_dict(), "model_type": NATIVE_MODEL_TYPE, "architectures": architectures,
+                "tie_word_embeddings": True}
+
     @classmethod
     def from_hf_dict(cls, hf: dict, **overrides) -> "ModelConfig":
-        if hf.get("model_type") != "convbert":
+        if hf.get("model_type") not in ("convbert", NATIVE_MODEL_TYPE):
             raise ConfigError(f"config.json has model_type={hf.get('model_type')!r}; expected 'convbert'")
-        known = {f.name for f in fields(cls)} - set(cls._HF_ONLY_OURS)
+        native = hf["model_type"] == NATIVE_MODEL_TYPE
+        known = {f.name for f in fields(cls)} - (set() if native else set(cls._HF_ONLY_OURS))
         values = {k: hf[k] for k in known if k in hf}
         if "pad_token_id" not in hf or hf["pad_token_id"] is None:
             values["pad_token_id"] = 1  # transformers' ConvBertConfig default

@@ -33,6 +33,7 @@ from convbert_ds.convert.verify import verify_output
 from convbert_ds.formats.init_dir import ConvertError
 from convbert_ds.formats.shard_manifest import file_sha256
 from convbert_ds.fsutil import refuse_non_empty, write_dir_atomically
+from convbert_ds.model.hf_io import config_json
 from convbert_ds.model.tied import untie
 from preprocessing.tokenizer import TOKENIZER_FILES, tokenizer_sha256
 
@@ -51,8 +52,8 @@ def split_for_hf(weights: dict[str, torch.Tensor], electra: ElectraConfig) -> di
     return parts
 
 
-def hf_config(config: ModelConfig, architecture: str, dtype: str) -> dict:
-    return {**config.to_hf_dict([architecture]), "dtype": str(DTYPES[dtype]).removeprefix("torch.")}
+def hf_config(config: ModelConfig, architecture: str, dtype: str, native_ok: bool = False) -> dict:
+    return {**config_json(config, architecture, native_ok), "dtype": str(DTYPES[dtype]).removeprefix("torch.")}
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, dtype: str) -> None:
@@ -153,8 +154,10 @@ def _models(electra: ElectraConfig) -> dict[str, ModelConfig]:
 
 
 def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, tokenizer_dir, facts: CardFacts,
-             dtype: str = "fp32", verify: bool = False, force: bool = False) -> dict | None:
-    """Write OUT (see the module docstring); with ``verify``, compare against transformers before the rename."""
+             dtype: str = "fp32", verify: bool = False, force: bool = False, native_ok: bool = False) -> dict | None:
+    """Write OUT (see the module docstring); with ``verify``, compare against transformers before the rename.
+    ``native_ok`` (fine-tuning an ablation): bodies transformers cannot express are written in our format
+    (``ModelConfig.to_native_dict``) instead of refused; transformers refuses such a directory."""
     out = Path(out)
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
@@ -164,7 +167,7 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
     report = {}
 
     gen_config = electra.generator if electra.objective == "electra" else electra.discriminator
-    unloadable = _not_exportable(gen_config) if electra.objective == "electra" else None
+    unloadable = _not_exportable(gen_config) if electra.objective == "electra" and not native_ok else None
     if unloadable:  # the discriminator is the model users fine-tune: write it, say why the generator is not
         facts.notes.append(f"generator/ is not written: {unloadable}")
         print(f"note: generator/ is not written: {unloadable}", flush=True)
@@ -177,8 +180,8 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
             target = tmp / name
             target.mkdir()
             save_tensors(parts[name], target / "model.safetensors", dtype)
-            (target / "config.json").write_text(json.dumps(hf_config(config, architecture, dtype), indent=2,
-                                                           sort_keys=True) + "\n")
+            (target / "config.json").write_text(json.dumps(hf_config(config, architecture, dtype, native_ok),
+                                                           indent=2, sort_keys=True) + "\n")
             for path in tokenizer_files(tokenizer_dir):
                 shutil.copyfile(path, target / path.name)
         if electra.objective == "electra":
@@ -194,7 +197,8 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
 
 
 def convert_checkpoint(checkpoint_dir, out, tag: str | None = None, dtype: str = "fp32", verify: bool = False,
-                       force: bool = False, tokenizer=None, command: str | None = None) -> dict | None:
+                       force: bool = False, tokenizer=None, command: str | None = None,
+                       native_ok: bool = False) -> dict | None:
     """DeepSpeed checkpoint -> OUT (transformers dirs). Returns the verification report (max abs diffs)."""
     out = Path(out)
     refuse_non_empty(out, force, error=ConvertError)
@@ -206,7 +210,8 @@ def convert_checkpoint(checkpoint_dir, out, tag: str | None = None, dtype: str =
                             "--out", str(out), "--dtype", dtype] + (["--verify"] if verify else []))
     facts = CardFacts(source=f"`{ckpt.directory}` ({ckpt.describe()}; weights: {source})", command=command,
                       trainer_state=ckpt.state)
-    return write_hf(out, weights, ckpt.electra, tokenizer_dir, facts, dtype=dtype, verify=verify, force=force)
+    return write_hf(out, weights, ckpt.electra, tokenizer_dir, facts, dtype=dtype, verify=verify, force=force,
+                    native_ok=native_ok)
 
 
 def export_model(model, out, tokenizer_dir, dtype: str = "fp32", verify: bool = False,

@@ -46,7 +46,8 @@ def resolve_model(path, work_dir: Path, convert: bool = True) -> ModelSource:
             ckpt = open_checkpoint(path)
             converted = work_dir / "converted" / ckpt.tag
             if convert and not converted.is_dir():
-                convert_checkpoint(path, converted)
+                # native_ok: a body transformers cannot express (an ablation's) is written in our own format.
+                convert_checkpoint(path, converted, native_ok=True)
         except ConvertError as error:
             raise FinetuneError(f"--model {path}: {error}") from None
         part = "discriminator" if ckpt.electra.objective == "electra" else "generator"

@@ -64,9 +64,11 @@ class HFInterop:
         hf_io.load_weights(model, directory, prefix=cls.hf_prefix)
         return model
 
-    def save_hf_pretrained(self, directory, extra_files: dict[str, bytes] | None = None) -> None:
-        """Write a directory transformers loads with ``from_pretrained`` (atomic: temp dir + rename)."""
-        hf_io.save(self, directory, self.hf_architecture, extra_files, self.hf_config_extra())
+    def save_hf_pretrained(self, directory, extra_files: dict[str, bytes] | None = None,
+                           native_ok: bool = False) -> None:
+        """Write a directory transformers loads with ``from_pretrained`` (atomic: temp dir + rename);
+        ``native_ok``: a body transformers cannot express is written in our format (``to_native_dict``)."""
+        hf_io.save(self, directory, self.hf_architecture, extra_files, self.hf_config_extra(), native_ok)
 
     def hf_config_extra(self) -> dict:
         """config.json entries beyond the body's ModelConfig (a head's labels, say)."""

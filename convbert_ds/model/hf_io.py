@@ -78,12 +78,23 @@ def load_weights(model: torch.nn.Module, directory, prefix: str) -> None:
     model.load_state_dict({k: weights[k] for k in expected}, strict=True)
 
 
+def config_json(config: ModelConfig, architecture: str, native_ok: bool) -> dict:
+    """transformers' config.json for ``config``; with ``native_ok``, ours (``to_native_dict``) for a body
+    transformers cannot express, instead of the error saying so."""
+    try:
+        return config.to_hf_dict([architecture])
+    except ConfigError:
+        if not native_ok:
+            raise
+        return config.to_native_dict([architecture])
+
+
 def save(model: torch.nn.Module, directory, architecture: str, extra_files: dict[str, bytes] | None = None,
-         extra_config: dict | None = None) -> Path:
+         extra_config: dict | None = None, native_ok: bool = False) -> Path:
     config = model.config
     if not isinstance(config, ModelConfig):
         raise ConfigError(f"cannot save {type(model).__name__}: it has no ModelConfig")
-    hf_config = {**config.to_hf_dict([architecture]), **(extra_config or {}),
+    hf_config = {**config_json(config, architecture, native_ok), **(extra_config or {}),
                  "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
 
     def fill(tmp: Path) -> None:

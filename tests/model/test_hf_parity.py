@@ -171,3 +171,27 @@ def test_triton_kernel_matches_transformers(name, tmp_path):
     (expected * weights).sum().backward()
     (got * weights).sum().backward()
     _assert_close_grads(ours, theirs)
+
+
+@pytest.mark.parametrize("changes", [dict(conv_type="dynamic"), dict(conv_type="none", head_ratio=1),
+                                     dict(num_attention_heads=2, head_ratio=1, attention_head_size=48)])
+def test_bodies_transformers_cannot_express_round_trip_in_our_format_only(changes, tmp_path):
+    """Ablation bodies (another conv type, no conv heads) and the official generator heads: refused as a
+    transformers directory; with native_ok written under model_type convbert_ds, which our classes load
+    to the same function and transformers refuses rather than building another model."""
+    from convbert_ds.config import ConfigError
+    from convbert_ds.model import ConvBertForSequenceClassification
+
+    config = _config("embedding-projection").replace(**changes)
+    model = ConvBertForSequenceClassification(config, label_names=["a", "b"]).eval()
+    _perturb(model, 3)
+    with pytest.raises(ConfigError):
+        model.save_hf_pretrained(tmp_path / "hf")
+    model.save_hf_pretrained(tmp_path / "native", native_ok=True)
+    loaded = ConvBertForSequenceClassification.from_hf_pretrained(tmp_path / "native").eval()
+    assert loaded.config == config
+    ids = torch.randint(1, 101, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+    with pytest.raises(ValueError, match="convbert_ds"):
+        transformers.AutoModel.from_pretrained(str(tmp_path / "native"), local_files_only=True)

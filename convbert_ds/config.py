@@ -169,16 +169,21 @@ class ModelConfig:
     # transformers' ConvBertConfig has no conv_type/sdconv_impl; only "sdconv" bodies are representable there.
     _HF_ONLY_OURS = ("conv_type", "sdconv_impl", "sdconv_mask_padding", "attention_head_size")
 
-    def to_hf_dict(self, architectures: list[str]) -> dict:
+    def not_in_transformers(self) -> str | None:
+        """Why transformers' ConvBERT cannot express this body, or None when it can."""
         if self.conv_type != "sdconv":
-            raise ConfigError(f"ModelConfig.conv_type={self.conv_type!r}: transformers' ConvBERT only has span-based "
-                              "dynamic convolution; only conv_type='sdconv' models can be exported")
+            return (f"ModelConfig.conv_type={self.conv_type!r}: transformers' ConvBERT only has span-based dynamic "
+                    "convolution; only conv_type='sdconv' models can be exported")
         if self.head_dim != self.derived_head_dim:
-            raise ConfigError(f"ModelConfig.attention_head_size={self.attention_head_size}: transformers' ConvBERT "
-                              f"derives the head size from hidden_size={self.hidden_size} and num_attention_heads="
-                              f"{self.num_attention_heads} ({self.derived_head_dim}) and cannot load this layout (the "
-                              "official code's generator heads); export the discriminator only, or pretrain with "
-                              "model.generator_heads=transformers")
+            return (f"ModelConfig.attention_head_size={self.attention_head_size}: transformers' ConvBERT derives the "
+                    f"head size from hidden_size={self.hidden_size} and num_attention_heads={self.num_attention_heads} "
+                    f"({self.derived_head_dim}) and cannot load this layout (the official code's generator heads); "
+                    "export the discriminator only, or pretrain with model.generator_heads=transformers")
+        return None
+
+    def to_hf_dict(self, architectures: list[str]) -> dict:
+        if (why := self.not_in_transformers()) is not None:
+            raise ConfigError(why)
         hf = {k: v for k, v in self.to_dict().items() if k not in self._HF_ONLY_OURS}
         hf.update(model_type="convbert", architectures=architectures, tie_word_embeddings=True)
         return hf

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from convbert_ds.config import ConfigError, ElectraConfig, ModelConfig
+from convbert_ds.config import ElectraConfig, ModelConfig
 from convbert_ds.convert.reader import open_checkpoint, read_state_dict
 from convbert_ds.convert.verify import verify_output
 from convbert_ds.formats.init_dir import ConvertError
@@ -103,7 +103,7 @@ def model_card(electra: ElectraConfig, facts: CardFacts, dtype: str, report: dic
                   f"is in `discriminator/{RTD_HEAD_FILE}` under ELECTRA's names (`discriminator_predictions."
                   "dense`, `discriminator_predictions.dense_prediction`): `logits = dense_prediction(act(dense("
                   "hidden))).squeeze(-1)`, `act` = `hidden_act`."]
-        if _not_exportable(electra.generator) is None:
+        if electra.generator.not_in_transformers() is None:
             lines.append("- `generator/`: `ConvBertForMaskedLM`, the ELECTRA generator (embeddings shared with the "
                          "discriminator; LM head = word embeddings, written out).")
     else:
@@ -138,15 +138,6 @@ def model_card(electra: ElectraConfig, facts: CardFacts, dtype: str, report: dic
     return "\n".join(lines) + "\n"
 
 
-def _not_exportable(config: ModelConfig) -> str | None:
-    """Why transformers cannot load a body of this config exactly (the official generator heads), or None."""
-    try:
-        config.to_hf_dict(["ConvBertForMaskedLM"])
-    except ConfigError as error:
-        return str(error)
-    return None
-
-
 def _models(electra: ElectraConfig) -> dict[str, ModelConfig]:
     if electra.objective == "electra":
         return {"discriminator": electra.discriminator, "generator": electra.generator}
@@ -167,7 +158,7 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
     report = {}
 
     gen_config = electra.generator if electra.objective == "electra" else electra.discriminator
-    unloadable = _not_exportable(gen_config) if electra.objective == "electra" and not native_ok else None
+    unloadable = gen_config.not_in_transformers() if electra.objective == "electra" and not native_ok else None
     if unloadable:  # the discriminator is the model users fine-tune: write it, say why the generator is not
         facts.notes.append(f"generator/ is not written: {unloadable}")
         print(f"note: generator/ is not written: {unloadable}", flush=True)

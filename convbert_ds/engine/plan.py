@@ -323,7 +323,7 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
         _check_resumable(Path(cfg.checkpoint.dir) / own, "checkpoint.dir", electra, first.tokenizer)
     # Once this phase has a checkpoint of its own, the previous phase is not read again (nor needed).
     continue_from = previous_phase(cfg, exists=own is None)
-    if own is None and continue_from is not None:
+    if continue_from is not None:
         _check_resumable(continue_from, "phase.continue_from", electra, first.tokenizer)
     return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
                    electra=electra, sets=sets, tokenizer=first.tokenizer,

@@ -34,6 +34,8 @@ from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.optim import param_groups
 
 EXIT_PREEMPTED = 3
+# A checkpoint's record of its phase; a run without phase.continue_from is phase 1 with nothing before it.
+FIRST_PHASE = {"index": 1, "samples_before": 0, "tokens_before": 0}
 
 
 class TrainingError(RuntimeError):
@@ -153,8 +155,7 @@ class Trainer:
                 cache_dir=cfg.data.cache_dir, progress=self.is_logger)
         self.ckpt_dir = Path(cfg.checkpoint.dir)
         self.step, self.nonfinite_total = 0, 0
-        # Which phase this run is, and what the earlier ones saw (a first phase: index 1, nothing before).
-        self.phase = {"index": 1, "samples_before": 0, "tokens_before": 0}
+        self.phase = dict(FIRST_PHASE)  # which phase this run is, and what the earlier ones saw
         self._resume()
         if self.step == 0:  # a resumed run has its RNG states back from the checkpoint
             torch.manual_seed(cfg.train.seed + 1 + dist.get_rank())
@@ -211,7 +212,7 @@ class Trainer:
         self._convert_to_universal(tag_dir, Layout.of_checkpoint(state))
         universal.load_into(self.engine, tag_dir / universal.UNIVERSAL, self.electra, self.pipelined,
                             new_phase=True, moments=self.cfg.phase.optimizer_state)
-        before = state.get("phase", {"index": 1, "samples_before": 0, "tokens_before": 0})
+        before = state.get("phase", FIRST_PHASE)
         # A checkpoint's counts are totals over its phase and every one before it.
         samples, tokens = state.get("samples_seen", 0), state.get("tokens_seen", 0)
         self.phase = {"index": before["index"] + 1, "samples_before": samples, "tokens_before": tokens,

@@ -81,12 +81,9 @@ def load_weights(model: torch.nn.Module, directory, prefix: str) -> None:
 def config_json(config: ModelConfig, architecture: str, native_ok: bool) -> dict:
     """transformers' config.json for ``config``; with ``native_ok``, ours (``to_native_dict``) for a body
     transformers cannot express, instead of the error saying so."""
-    try:
-        return config.to_hf_dict([architecture])
-    except ConfigError:
-        if not native_ok:
-            raise
+    if native_ok and config.not_in_transformers() is not None:
         return config.to_native_dict([architecture])
+    return config.to_hf_dict([architecture])
 
 
 def save(model: torch.nn.Module, directory, architecture: str, extra_files: dict[str, bytes] | None = None,

@@ -97,11 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0 and code == 0:
         print(f"done: {trainer.step} steps; checkpoints in {trainer.ckpt_dir}; logs in {cfg.log_dir}", flush=True)
     dist.barrier()
-    # Joined here, not at interpreter exit: a process group torn down by static destructors can abort the
-    # process ("terminate called without an active exception") after a run that finished.
     dist.destroy_process_group()
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    distributed.exit_process(main())

@@ -12,12 +12,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import socket
 import subprocess
+import sys
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -148,3 +150,20 @@ def on_rank0(work: Callable[[], T]) -> T:
     if not ok:
         raise value
     return value
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave a process that ran a process group with ``code``, skipping the interpreter's finalization.
+
+    DeepSpeed keeps its process groups in module globals and on its engines, optimizers and parameters
+    (``groups._WORLD_GROUP``, ``_dp_group``), so ``destroy_process_group`` cannot free them. Left to
+    finalization, they are freed while gloo's worker threads still wait for the GIL being torn down, and a
+    run that finished and saved aborts ("terminate called without an active exception", signal 6) now and
+    then. Nothing is lost by skipping finalization: the trainer closes its logs and checkpoints before it
+    returns, and only stdio and logging handlers still buffer.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)

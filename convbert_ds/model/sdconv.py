@@ -13,10 +13,16 @@ never builds the K-times copy of ``values``: it adds K shifted views.
 
 Implementations: ``"torch"`` (the reference here, any device) and ``"triton"``
 (fused kernels in ``convbert_ds.kernels``); ``"auto"`` picks Triton on CUDA
-and the reference elsewhere.
+and the reference elsewhere. On CUDA, ``"auto"`` first runs the kernels once on
+a small input of each dtype it meets and checks them against the reference: a
+GPU or Triton/driver combination they fail on (compile, launch or wrong numbers)
+gets the reference, with a one-line warning naming the reason, instead of a
+crashed run. ``"triton"`` asked for by name is never replaced.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +113,7 @@ def _check_shapes(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask:
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """Turn ``"auto"`` into a concrete implementation for ``device``."""
+    """Turn ``"auto"`` into the implementation it prefers on ``device`` (before any probing)."""
     if impl not in SDCONV_IMPLS:
         raise ValueError(f"sdconv_impl={impl!r} is not one of {SDCONV_IMPLS}")
     if impl == "auto":
@@ -115,11 +121,64 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
+# (device, logits dtype, values dtype, K, head size) -> why the Triton kernels cannot be used, or None.
+_TRITON_PROBED: dict[tuple, str | None] = {}
+
+
+@torch.compiler.disable  # runs kernels and prints: eager, once per key, never traced into a compiled graph
+def triton_unusable_reason(device: torch.device, logits_dtype: torch.dtype, values_dtype: torch.dtype,
+                           kernel_size: int, head_dim: int) -> str | None:
+    """Why the Triton kernels cannot run on ``device`` for this layout, or None when they can (cached).
+
+    Runs forward and backward once on a small masked input of these dtypes, kernel size and head size, and
+    compares with the reference (a kernel size the kernels do not take is a reason too). Any exception
+    counts: a failed compile or launch surfaces as whatever Triton, the driver or ptxas raise, and the
+    point of ``auto`` is that none of them ends a run that the reference path can carry.
+    """
+    key = (device, logits_dtype, values_dtype, kernel_size, head_dim)
+    if key in _TRITON_PROBED:
+        return _TRITON_PROBED[key]
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 40, 2)  # B, T, n: T spans several position blocks of every tuned config
+    logits = (2 * torch.randn(*shape, kernel_size, generator=gen)).to(device, logits_dtype)
+    values = torch.randn(*shape, head_dim, generator=gen).to(device, values_dtype)
+    mask = (torch.arange(shape[1]) < 33).expand(shape[0], -1).to(device)
+    grad_out = torch.randn(*shape, head_dim, generator=gen).to(device, values_dtype)
+    try:
+        from convbert_ds.kernels import triton_dynamic_conv  # inside the try: importing Triton can fail too
+        with torch.enable_grad():  # the first call may come from an evaluation under no_grad
+            results = [_value_and_grads(fn, logits, values, mask, grad_out)
+                       for fn in (triton_dynamic_conv, dynamic_conv_reference)]
+        # Relative to each tensor's largest value: accumulation order, and one rounding in half precision.
+        tolerance = 1e-4 if values_dtype == torch.float32 else 2e-2
+        worst = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1)).item()
+                    for a, b in zip(*results))
+        reason = None if worst <= tolerance else f"its results differ from the torch path by {worst:.3g}"
+    except Exception as error:  # noqa: BLE001 -- see the docstring: any failure means "use the reference"
+        reason = ": ".join([type(error).__name__, *str(error).strip().splitlines()[:1]])
+    if reason is not None:
+        print(f"warning: sdconv_impl=auto: the Triton SDConv kernels cannot run on {device} ({logits_dtype}, "
+              f"{values_dtype}, K={kernel_size}, head size {head_dim}): {reason}; using the torch implementation",
+              file=sys.stderr, flush=True)
+    _TRITON_PROBED[key] = reason
+    return reason
+
+
+def _value_and_grads(fn, logits, values, mask, grad_out) -> tuple[torch.Tensor, ...]:
+    logits, values = logits.detach().requires_grad_(), values.detach().requires_grad_()
+    out = fn(logits, values, mask)
+    return (out, *torch.autograd.grad(out, (logits, values), grad_out))
+
+
 def dynamic_conv(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: torch.Tensor | None = None,
                  impl: str = "auto") -> torch.Tensor:
     """Dynamic convolution through the chosen implementation (see module docstring)."""
-    if resolve_impl(impl, values.device) == "triton":
-        # Here, not at the top: triton is an optional, slow-to-import dependency that CPU runs never need.
+    chosen = resolve_impl(impl, values.device)
+    if chosen == "triton" and impl == "auto" and triton_unusable_reason(
+            values.device, kernel_logits.dtype, values.dtype, kernel_logits.shape[-1], values.shape[-1]) is not None:
+        chosen = "torch"
+    if chosen == "triton":
+        # Here, not at the top: triton is slow to import, and CPU runs never need it.
         from convbert_ds.kernels import triton_dynamic_conv
         return triton_dynamic_conv(kernel_logits, values, value_mask)
     return dynamic_conv_reference(kernel_logits, values, value_mask)

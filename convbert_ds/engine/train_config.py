@@ -99,6 +99,8 @@ class TrainSection:
                                                "bf16/fp16 'enabled' says")] = None
     seed: Annotated[int, Key("seed of the initial weights")] = 1234
     activation_checkpointing: Annotated[bool, Key("recompute activations in the backward (less memory)")] = False
+    compile: Annotated[bool, Key("run every encoder layer through torch.compile (inductor); off by default: on "
+                                 "CPU it gains a few percent for a start-up compile (benchmarks/RESULTS.md)")] = False
     max_nonfinite_in_a_row: Annotated[int, Key("stop after this many non-finite losses in a row", min=1)] = 10
     peak_tflops: Annotated[float | None, Key("per-device peak for MFU; null: known GPUs only", min=0.0)] = None
 

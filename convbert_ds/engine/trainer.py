@@ -31,6 +31,7 @@ from convbert_ds.engine.train_config import DownstreamSection
 from convbert_ds.engine.universal import Layout
 from convbert_ds.formats.init_dir import load_init_weights
 from convbert_ds.model import ElectraForPretraining
+from convbert_ds.model.layers import compile_layers, compiled_graph_count
 from convbert_ds.model.optim import param_groups
 
 EXIT_PREEMPTED = 3
@@ -116,6 +117,12 @@ class Trainer:
         return model
 
     def _build_model(self):
+        model = self._build_uncompiled_model()
+        if self.cfg.train.compile:
+            compile_layers(model)
+        return model
+
+    def _build_uncompiled_model(self):
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         if self.pipelined:
@@ -384,7 +391,9 @@ class Trainer:
                    "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self.cfg.data.seq_len,
                    "tflops": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
                    "nonfinite_total": self.nonfinite_total,
-                   "consumed_samples": self.train_loader.consumed_samples}
+                   "consumed_samples": self.train_loader.consumed_samples,
+                   # Constant after warm-up; growing means something recompiles every step.
+                   "compiled_graphs": compiled_graph_count() if t.compile else None}
         if self.is_logger:
             print(format_line(self.step, t.steps, metrics), flush=True)
         self.log.write(self.step, {k: v for k, v in metrics.items() if v is not None})

@@ -222,3 +222,29 @@ def init_weights(module: nn.Module, std: float) -> None:
         module.bias.zero_()
     elif isinstance(module, SeparableConv1D):
         module.reset(std)
+
+
+def compile_layers(model: nn.Module) -> int:
+    """Put every ``ConvBertLayer`` of ``model`` through ``torch.compile`` (inductor), in place; returns how many.
+
+    The layer is the unit because it is where the fusable work is (GELU, LayerNorm, bias adds, softmax
+    and the SDConv shifts around the GEMMs) and because it is the same class in the plain model and in
+    the pipeline stages. Layers of one shape share one graph (ELECTRA has two: the generator's and the
+    discriminator's width); ``nn.Module.compile`` keeps parameter names, so checkpoints do not change.
+    Masking, Gumbel sampling and the losses stay eager: their data-dependent shapes (the masked
+    positions) would recompile or break the graph every step. Shapes are static: batches are fixed-size.
+    """
+    # Dropout draws from torch's own generator, as in eager: the same masks, so a compiled run follows the
+    # eager one (to rounding), and switching compile on or off at a resume keeps the random stream.
+    import torch._inductor.config as inductor_config  # here: importing inductor costs a second that eager runs skip
+    inductor_config.fallback_random = True
+    layers = [module for module in model.modules() if isinstance(module, ConvBertLayer)]
+    for layer in layers:
+        layer.compile(dynamic=False)
+    return len(layers)
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has built in this process so far (constant once a run has warmed up)."""
+    from torch._dynamo.utils import counters  # private but stable since 2.0; the only count torch keeps
+    return int(counters["stats"]["unique_graphs"])

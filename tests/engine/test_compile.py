@@ -1,0 +1,72 @@
+"""``train.compile``: the encoder layers through torch.compile (inductor) inside real DeepSpeed engines on
+2 gloo CPU ranks, against the same runs in eager mode.
+
+Tolerance: in fp32 the compiled run follows the eager one to rounding (inductor reorders reductions;
+dropout draws the same masks, see ``compile_layers``). Measured over these 20 steps: losses equal to
+2e-6, gradient norms to 4e-6. The tests allow a relative 1e-4.
+"""
+
+import shutil
+
+import pytest
+
+from launch import check, run_training, train_metrics
+
+pytestmark = pytest.mark.slow
+
+COMMON = ("train.steps=20", "train.warmup_steps=4", "eval.interval=10", "checkpoint.interval=10",
+          "data.num_workers=0")
+PIPELINE = ("deepspeed.config=ds_configs/pipeline_zero1_bf16.json", "train.precision=fp32", "pipeline.stages=2",
+            "train.micro_batch_size=4", "train.activation_checkpointing=true")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_corpus, tmp_path_factory):
+    """Eager and compiled runs of ZeRO-2 and of a 2-stage pipeline with activation checkpointing."""
+    root = tmp_path_factory.mktemp("compile")
+    layouts = {"zero2": ("deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32"), "pipeline": PIPELINE}
+    done = {}
+    for layout, overrides in layouts.items():
+        for mode in ("eager", "compiled"):
+            run_dir = root / f"{layout}_{mode}"
+            output = check(run_training(run_dir, tiny_corpus["shards"], *COMMON, *overrides,
+                                        f"train.compile={mode == 'compiled'}", timeout=600))
+            done[layout, mode] = (run_dir, output)
+    return done
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-4 * max(abs(a), abs(b), 1.0)
+
+
+@pytest.mark.parametrize("layout", ["zero2", "pipeline"])
+def test_compiled_training_follows_eager(runs, layout):
+    eager, compiled = (train_metrics(runs[layout, mode][0]) for mode in ("eager", "compiled"))
+    assert [r["step"] for r in compiled] == list(range(1, 21))
+    for a, b in zip(eager, compiled):
+        for key in ("loss", "mlm_loss", "rtd_loss", "grad_norm"):
+            assert _close(a[key], b[key]), (layout, a["step"], key, a[key], b[key])
+    assert "compiled_graphs" not in eager[0]
+
+
+@pytest.mark.parametrize("layout", ["zero2", "pipeline"])
+def test_nothing_recompiles_after_warm_up(runs, layout):
+    """Graphs are built at step 1 (training) and at the first evaluation (eval mode, no grad), then never:
+    masking and Gumbel sampling draw new positions every step without touching the compiled layers."""
+    counts = [r["compiled_graphs"] for r in train_metrics(runs[layout, "compiled"][0])]
+    assert len(set(counts[:10])) == 1 and len(set(counts[10:])) == 1, counts
+    assert 0 < counts[0] <= counts[10], counts
+
+
+def test_exact_resume_of_a_compiled_run_is_bitwise(runs, tiny_corpus, tmp_path):
+    straight, _ = runs["zero2", "compiled"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step00000020")
+    (resumed / "checkpoints" / "latest").write_text("step00000010\n")
+    output = check(run_training(resumed, tiny_corpus["shards"], *COMMON, "train.precision=fp32",
+                                "train.compile=true", timeout=600))
+    assert "at step 10" in output
+    for a, b in zip(train_metrics(straight)[10:], train_metrics(resumed)[10:]):
+        for key in ("loss", "mlm_loss", "rtd_loss", "mlm_accuracy", "grad_norm", "consumed_samples"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])

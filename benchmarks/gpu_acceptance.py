@@ -1,0 +1,282 @@
+"""Every check that needs a GPU, in one command that fits a ten-minute lease, its figures written into
+``benchmarks/RESULTS.md`` with the device, the versions and the command.
+
+    python -m benchmarks.gpu_acceptance                     # one CUDA GPU: run it all, append to RESULTS.md
+    python -m benchmarks.gpu_acceptance --cpu-smoke OUT.md  # every part at toy sizes on CPU, written to OUT.md
+
+Parts, in order, each under its own time limit and all under one overall budget, so one that hangs or
+fails still leaves the others' figures:
+
+1. ``tests``: the Triton kernel tests, the auto-fallback tests and the transformers-parity tests on CUDA.
+2. ``sdconv``: ``benchmarks/sdconv.py`` in bf16 and fp16 (batch 32-256 x seq 128/512, ConvBERT-base
+   shapes, K = 9): fused kernels vs transformers' unfold path, bandwidth vs a copy, peak memory.
+3. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128, small and
+   base, bf16 and fp16, SDConv torch vs triton, compile off vs on; samples/s, tokens/s and MFU are the
+   medians of the trainer's own ``metrics.jsonl`` after warm-up (the most telling runs first).
+4. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
+
+Without CUDA (and without ``--cpu-smoke``) it says so and exits 0, leaving RESULTS.md untouched.
+Exit code: 0 when every part that ran passed, 1 otherwise (the figures are written either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+SECTION = "## GPU acceptance (`python -m benchmarks.gpu_acceptance`)"
+
+
+@dataclass(frozen=True)
+class PretrainRun:
+    preset: str
+    precision: str
+    sdconv: str
+    compile: bool
+
+
+# Base bf16 first: the headline MFU figure; then what each switch changes, one at a time.
+GPU_RUNS = [PretrainRun("base", "bf16", "triton", False), PretrainRun("base", "bf16", "torch", False),
+            PretrainRun("base", "bf16", "triton", True), PretrainRun("base", "fp16", "triton", False),
+            PretrainRun("small", "bf16", "triton", False), PretrainRun("small", "bf16", "triton", True),
+            PretrainRun("small", "bf16", "torch", False), PretrainRun("base", "fp16", "triton", True),
+            PretrainRun("small", "fp16", "triton", False), PretrainRun("base", "bf16", "torch", True)]
+CPU_SMOKE_RUNS = [PretrainRun("tiny", "fp32", "torch", False), PretrainRun("tiny", "fp32", "torch", True)]
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Sizes of one acceptance run: the real one on a GPU, or toy ones that exercise every part on CPU."""
+    tests: tuple[str, ...]
+    sdconv_args: tuple[tuple[str, ...], ...]
+    runs: list[PretrainRun]
+    batch: int
+    seq: int
+    steps: int
+    warmup_rows: int
+    vocab_size: int
+
+
+GPU = Scale(tests=("tests/kernels", "tests/model/test_sdconv_reference.py", "tests/model/test_hf_parity.py"),
+            sdconv_args=(("--dtype", "bf16"), ("--dtype", "fp16")), runs=GPU_RUNS, batch=128, seq=128,
+            steps=30, warmup_rows=10, vocab_size=30522)
+CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
+                  sdconv_args=(("--dtype", "fp32", "--batch", "2", "--seq", "32", "--reps", "2"),),
+                  runs=CPU_SMOKE_RUNS, batch=4, seq=64, steps=6, warmup_rows=2, vocab_size=2000)
+
+
+class Acceptance:
+    def __init__(self, scale: Scale, work: Path, budget_s: float):
+        self.scale, self.work = scale, work
+        self.deadline = time.monotonic() + budget_s
+        self.failed: list[str] = []
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "HF_DATASETS_OFFLINE": "1"}
+
+    def run(self, name: str, command: list[str], limit_s: float) -> tuple[int, str, str]:
+        """Run one command under min(limit, what is left of the budget): exit code, stdout, stdout + stderr
+        (the last is logged)."""
+        limit = min(limit_s, self.deadline - time.monotonic())
+        if limit < 5:
+            self.failed.append(f"{name} (no time left)")
+            return -1, "", f"skipped: the overall budget was spent before {name}"
+        print(f"=== {name}: {' '.join(command)}", flush=True)
+        try:
+            done = subprocess.run(command, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=limit)
+            code, stdout, output = done.returncode, done.stdout, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as expired:
+            code, stdout = 124, _text(expired.stdout)
+            output = f"{stdout}{_text(expired.stderr)}\n(stopped after its limit of {limit:.0f} s)"
+        (self.work / f"{name}.log").write_text(output)
+        print(output[-3000:], f"=== {name}: exit code {code}", sep="\n", flush=True)
+        if code != 0:
+            self.failed.append(name)
+        return code, stdout, output
+
+    def tests(self) -> str:
+        _, _, output = self.run("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                       *self.scale.tests], limit_s=240)
+        return _fenced(output.strip().splitlines()[-1:] or ["(no output)"])
+
+    def sdconv(self) -> str:
+        parts = []
+        for args in self.scale.sdconv_args:
+            code, stdout, output = self.run(f"sdconv_{args[1]}", [sys.executable, "benchmarks/sdconv.py", *args],
+                                            limit_s=120)
+            parts.append(f"$ python benchmarks/sdconv.py {' '.join(args)}\n{(stdout if code == 0 else output).strip()}")
+        return _fenced(parts)
+
+    def pretrain(self) -> str:
+        shards = self._shards()
+        rows = ["| preset | precision | SDConv | compile | samples/s | tokens/s | TFLOP/s | MFU | first step (s) |",
+                "|---|---|---|---|---:|---:|---:|---:|---:|"]
+        for spec in self.scale.runs:
+            figures = self._pretrain_one(spec, shards)
+            rows.append(f"| {spec.preset} | {spec.precision} | {spec.sdconv} | {'on' if spec.compile else 'off'} | "
+                        + " | ".join(figures) + " |")
+        s = self.scale
+        return "\n".join([f"Global batch {s.batch} x seq {s.seq}, one process, {s.steps} steps, ZeRO-0 "
+                          f"(`ds_configs/zero0_bf16.json`, precision overridden); medians of the steps after "
+                          f"the first {s.warmup_rows}. Each run: `python -m convbert_ds.train --config "
+                          f"configs/PRESET.yaml train.precision=P model.overrides.sdconv_impl=S "
+                          f"train.compile=C ...` (the full line is in the log).", "", *rows])
+
+    def _shards(self) -> Path:
+        # Here: only the pretraining part needs preprocessing (and a machine without a GPU never gets here).
+        from convbert_ds.data.builtin_corpus import write_corpus
+        from preprocessing.shard import shard_corpus
+        from preprocessing.tokenizer import train_tokenizer
+
+        corpus = write_corpus(self.work / "corpus.txt")
+        tokenizer = train_tokenizer([str(corpus)], str(self.work / "tokenizer"), vocab_size=self.scale.vocab_size)
+        shard_corpus([str(corpus)], str(tokenizer), str(self.work / "shards"), workers=1)
+        return self.work / "shards"
+
+    def _train_args(self, spec: PretrainRun, shards: Path, run_dir: Path, steps: int) -> list[str]:
+        """``convbert_ds.train``'s arguments for one throughput run (one process: micro = global batch)."""
+        config = REPO / "configs" / ("tiny_cpu.yaml" if spec.preset == "tiny" else f"{spec.preset}.yaml")
+        return ["--config", str(config),
+                f"data.sets=[{{path: '{shards}', weight: 1.0}}]", f"data.seq_len={self.scale.seq}",
+                "data.num_workers=2", f"train.global_batch_size={self.scale.batch}",
+                f"train.micro_batch_size={self.scale.batch}", f"train.steps={steps}", "train.warmup_steps=1",
+                f"train.precision={spec.precision}", f"train.compile={str(spec.compile).lower()}",
+                f"model.overrides.sdconv_impl={spec.sdconv}", "deepspeed.config=ds_configs/zero0_bf16.json",
+                f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
+                f"log.dir={run_dir / 'logs'}", "log.interval=1", "eval.interval=0"]
+
+    def _pretrain_one(self, spec: PretrainRun, shards: Path) -> list[str]:
+        name = f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{'compiled' if spec.compile else 'eager'}"
+        run_dir = self.work / name
+        code, _, _ = self.run(name, [sys.executable, "-m", "convbert_ds.train",
+                                  *self._train_args(spec, shards, run_dir, self.scale.steps)], limit_s=150)
+        try:
+            rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+        except OSError:
+            rows = []
+        finally:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # gigabytes for base; only figures matter
+        rows = [row for row in rows if row.get("split") == "train"]
+        steady = rows[self.scale.warmup_rows:]
+        if code != 0 or not steady:
+            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 4
+        first = self.scale.batch / rows[0]["samples_per_s"]
+
+        def median(key: str, fmt: str) -> str:
+            values = [row[key] for row in steady if row.get(key) is not None]
+            return format(statistics.median(values), fmt) if values else "n/a"
+
+        return [median("samples_per_s", ",.0f"), median("tokens_per_s", ",.0f"), median("tflops", ".1f"),
+                median("mfu", ".1%"), f"{first:.1f}"]
+
+    def nccl(self, on_gpu: bool) -> str:
+        spec = CPU_SMOKE_RUNS[0] if not on_gpu else PretrainRun("small", "bf16", "triton", False)
+        run_dir = self.work / "nccl"
+        command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
+                   _free_port(), "-m", "convbert_ds.train",
+                   *self._train_args(spec, self.work / "shards", run_dir, steps=5), "train.micro_batch_size=null"]
+        code, _, output = self.run("nccl", command, limit_s=120)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        if code == -1:
+            return "Not run: the overall budget was spent before this part."
+        backend = "nccl" if on_gpu else "gloo"
+        if code == 0 and f"backend={backend}" in output:
+            return f"2 processes on one device ({backend}): 5 steps of {spec.preset} ran and saved."
+        shared = on_gpu and ("Duplicate GPU" in output or "ncclInvalidUsage" in output)
+        if shared:
+            self.failed.remove("nccl")  # NCCL's own rule, not our failure
+            return "Skipped: NCCL refuses two ranks on one GPU (`Duplicate GPU detected`); it needs 2 GPUs."
+        return "Failed: " + _fenced(output.strip().splitlines()[-15:])
+
+
+def device_name(on_gpu: bool) -> str:
+    import torch
+    return torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.processor() or platform.machine()})"
+
+
+def environment(on_gpu: bool) -> str:
+    import torch
+    import transformers
+    versions = [f"torch {torch.__version__}", f"CUDA {torch.version.cuda}", f"transformers {transformers.__version__}"]
+    for module in ("triton", "deepspeed"):
+        try:
+            versions.append(f"{module} {__import__(module).__version__}")
+        except ImportError:
+            versions.append(f"{module} not installed")
+    if on_gpu:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        versions.append(f"driver {smi.stdout.strip() or 'unknown'}")
+    return f"Device: {device_name(on_gpu)}, {os.cpu_count()} CPU cores; " + ", ".join(versions) + "."
+
+
+def _text(data) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _fenced(lines) -> str:
+    return "```\n" + "\n".join(lines) + "\n```"
+
+
+def _free_port() -> str:
+    import socket
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return str(free.getsockname()[1])
+
+
+def write_results(path: Path, section: str) -> None:
+    """Append this run's section under the GPU acceptance heading (created at the end of the file once)."""
+    text = path.read_text() if path.exists() else ""
+    if SECTION not in text:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + SECTION + "\n\nEach run appends its own section; " \
+            "the newest is last.\n"
+    path.write_text(text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-smoke", metavar="OUT.md", type=Path,
+                        help="run every part at toy sizes on CPU and write the section to OUT.md (not RESULTS.md)")
+    parser.add_argument("--budget", type=float, default=540, help="seconds for all parts together (default 540)")
+    args = parser.parse_args(argv)
+    import torch
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and args.cpu_smoke is None:
+        print("gpu_acceptance: no CUDA GPU on this machine; nothing measured, benchmarks/RESULTS.md untouched "
+              "(run it on a machine with one GPU, or pass --cpu-smoke OUT.md to try every part on CPU)")
+        return 0
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="gpu_acceptance_") as tmp:
+        acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget)
+        body = [("Kernel, fallback and parity tests", acceptance.tests()),
+                ("SDConv kernel", acceptance.sdconv()),
+                ("One-GPU ELECTRA pretraining throughput (the trainer's own log)", acceptance.pretrain()),
+                ("Two processes on one GPU", acceptance.nccl(on_gpu))]
+    command = "python -m benchmarks.gpu_acceptance" + ("" if on_gpu else f" --cpu-smoke {args.cpu_smoke.name}")
+    date = datetime.date.today().isoformat()
+    section = [f"### {date}: {device_name(on_gpu)}", "",
+               environment(on_gpu), f"Command: `{command}` ({time.monotonic() - started:.0f} s in all).",
+               f"Parts that failed: {', '.join(acceptance.failed) or 'none'}."]
+    for title, text in body:
+        section += ["", f"#### {title}", "", text]
+    write_results(RESULTS if on_gpu else args.cpu_smoke, "\n".join(section))
+    print(f"gpu_acceptance: written to {RESULTS if on_gpu else args.cpu_smoke}; "
+          f"failed parts: {', '.join(acceptance.failed) or 'none'}")
+    return 1 if acceptance.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The GPU acceptance command on a machine without a GPU: it must say so and leave RESULTS.md alone, and
+every part it runs on a GPU must work end to end at toy sizes on CPU (``--cpu-smoke``)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import REPO
+
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+
+
+def _acceptance(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)  # as a user runs it
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_acceptance", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_without_a_gpu_it_says_so_and_touches_nothing():
+    before = RESULTS.read_bytes()
+    result = _acceptance()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "no CUDA GPU on this machine" in result.stdout and "RESULTS.md untouched" in result.stdout
+    assert RESULTS.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_every_part_runs_on_cpu(tmp_path):
+    before = RESULTS.read_bytes()
+    out = tmp_path / "acceptance.md"
+    result = _acceptance("--cpu-smoke", str(out))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    assert RESULTS.read_bytes() == before
+    text = out.read_text()
+    assert "Parts that failed: none." in text and "torch 2." in text, text
+    assert "passed" in text.split("#### Kernel, fallback and parity tests")[1].split("####")[0]
+    assert "torch reference vs transformers" in text
+    rows = [line for line in text.splitlines() if line.startswith("| tiny | fp32 | torch |")]
+    assert [row.split("|")[4].strip() for row in rows] == ["off", "on"], text
+    for row in rows:  # samples/s and tokens/s read from the trainer's own metrics.jsonl
+        samples, tokens = (float(cell.replace(",", "")) for cell in row.split("|")[5:7])
+        assert samples > 0 and tokens == pytest.approx(samples * 64, rel=0.01)
+    assert "2 processes on one device (gloo): 5 steps of tiny ran and saved." in text
+    # A second run appends its own section under the one heading.
+    assert _acceptance("--cpu-smoke", str(out), "--budget", "1").returncode == 1
+    again = out.read_text()
+    assert again.count("## GPU acceptance") == 1
+    assert sum(line.startswith("### ") for line in again.splitlines()) == 2
+    assert "no time left" in again

@@ -9,6 +9,8 @@ the plain loop's torch.autocast over fp32 weights.
 
     python benchmarks/train_step.py [--preset small] [--batch 16] [--seq 128] [--steps 20] [--threads 1]
     python benchmarks/train_step.py --preset base --batch 64 --seq 128 --precision bf16   # on a GPU
+
+``--compile`` puts both models' encoder layers through torch.compile, as ``train.compile: true`` does.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def main() -> None:
     parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--vocab-size", type=int, default=30522)
+    parser.add_argument("--compile", action="store_true", help="both sides' encoder layers through torch.compile")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (1 gives stable figures on a shared machine)")
     args = parser.parse_args()
@@ -61,6 +64,7 @@ def main() -> None:
     from convbert_ds.engine.distributed import init_process_group
     from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
     from convbert_ds.model import ElectraForPretraining
+    from convbert_ds.model.layers import compile_layers
     from convbert_ds.model.optim import param_groups
 
     cuda = torch.cuda.is_available()
@@ -73,6 +77,8 @@ def main() -> None:
         plain = ElectraForPretraining(config).to(device)
         torch.manual_seed(0)
         wrapped = ElectraForPretraining(config)
+        if args.compile:
+            compile_layers(plain), compile_layers(wrapped)
         lr, betas, eps, wd = 2e-4, (0.9, 0.999), 1e-6, 0.01
         ds_config = {
             "train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch,
@@ -119,7 +125,8 @@ def main() -> None:
     flops = training_flops_per_sample(config, args.seq) * args.batch
     peak = device_peak_tflops(device_name, None)
     print(f"device={device_name} preset={args.preset} batch={args.batch} seq={args.seq} "
-          f"precision={args.precision} zero={args.zero_stage} steps={args.steps} threads={torch.get_num_threads()}")
+          f"precision={args.precision} zero={args.zero_stage} steps={args.steps} threads={torch.get_num_threads()} "
+          f"compile={args.compile}")
     print(f"{'loop':<18}{'median step (s)':>16}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
     for name, values in times.items():
         median = statistics.median(values)

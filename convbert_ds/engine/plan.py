@@ -9,6 +9,7 @@ start from it, so they cannot disagree.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,6 +296,17 @@ def previous_phase(cfg: TrainConfig, exists: bool = True) -> Path | None:
     return path / tag
 
 
+def _check_tracking(cfg: TrainConfig) -> None:
+    w = cfg.log.wandb
+    if w.project is None:
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"log.wandb.project={w.project!r} needs the wandb package, which is not installed: "
+                          "pip install wandb (or set log.wandb.project=null)")
+    if not all(isinstance(tag, str) and tag for tag in w.tags):
+        raise ConfigError(f"log.wandb.tags={w.tags!r}: tags are non-empty strings, e.g. [phase1, small]")
+
+
 def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunPlan:
     """Check everything that needs no process group and resolve the run (see the module docstring)."""
     micro_batch_size, grad_accum = _check_combinations(cfg, world_size)
@@ -302,6 +314,7 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     precision = precision_of(cfg, base_ds)
     if precision == "fp16" and not (torch.cuda.is_available() if cuda is None else cuda):
         raise ConfigError("fp16 needs a GPU (DeepSpeed refuses fp16 on CPU); use train.precision=bf16 or fp32")
+    _check_tracking(cfg)
     ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision)
     if cfg.pipeline.stages > 1:
         check_pipeline_ds_config(ds_config)

@@ -148,9 +148,25 @@ class EvalSection:
 
 
 @dataclass
+class WandbSection:
+    """Weights & Biases tracking from rank 0 (the optional ``wandb`` package): one W&B run per training run,
+    continued across resumes and Slurm requeues (``convbert_ds/engine/metrics_log.py``)."""
+
+    project: Annotated[str | None, Key("W&B project; null: no W&B")] = None
+    entity: Annotated[str | None, Key("W&B entity (user or team); null: your default")] = None
+    name: Annotated[str | None, Key("run name; null: the name of the log directory's parent (the run's)")] = None
+    tags: Annotated[list, Key("run tags, a list of strings")] = field(default_factory=list)
+    mode: Annotated[Literal["online", "offline"], Key(
+        "offline: write the run under log.dir/wandb for compute nodes without internet, then `wandb sync`")] = \
+        "online"
+
+
+@dataclass
 class LogSection:
     interval: Annotated[int, Key("steps between log lines", min=1)] = 10
     dir: Annotated[str | None, Key("TensorBoard events + metrics.jsonl; null: next to checkpoint.dir")] = None
+    csv: Annotated[bool, Key("also write metrics.csv (step, split, metric, value), one row per value")] = True
+    wandb: WandbSection = field(default_factory=WandbSection)
 
 
 @dataclass

@@ -3,7 +3,6 @@ checkpoints (saved every ``checkpoint.interval`` steps and on SIGUSR1/SIGTERM) a
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import time
@@ -14,7 +13,6 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.tensorboard import SummaryWriter
 
 from convbert_ds.data.loader import build_dataloader
 from convbert_ds.engine import checkpoint, distributed, universal
@@ -26,7 +24,9 @@ from convbert_ds.engine.pipeline import (
     pipeline_batch,
     pipeline_metrics,
 )
+from convbert_ds.engine.metrics_log import MetricsLog
 from convbert_ds.engine.plan import RunPlan
+from convbert_ds.engine.progress import RunProgress
 from convbert_ds.engine.train_config import DownstreamSection
 from convbert_ds.engine.universal import Layout
 from convbert_ds.formats.init_dir import load_init_weights
@@ -58,34 +58,6 @@ class Preemption:
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-
-
-class MetricsLog:
-    """Rank 0's log line, metrics.jsonl (for plots) and TensorBoard events."""
-
-    def __init__(self, log_dir: Path, start_step: int, enabled: bool):
-        self.enabled = enabled
-        self.path = log_dir / "metrics.jsonl"
-        self.writer = None
-        if not enabled:
-            return
-        log_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint.truncate_jsonl(self.path, start_step)
-        self.writer = SummaryWriter(str(log_dir / "tensorboard"), purge_step=start_step + 1)
-
-    def write(self, step: int, metrics: dict, prefix: str = "train") -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "split": prefix, **metrics}) + "\n")
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(f"{prefix}/{key}", value, step)
-        self.writer.flush()
-
-    def close(self):
-        if self.writer is not None:
-            self.writer.close()
 
 
 def format_line(step: int, steps: int, m: dict) -> str:
@@ -169,7 +141,8 @@ class Trainer:
         self.flops_per_sample = training_flops_per_sample(self.electra, cfg.data.seq_len)
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.peak_tflops = device_peak_tflops(name, cfg.train.peak_tflops)
-        self.log = MetricsLog(cfg.log_dir, self.step, self.is_logger)
+        self.log = MetricsLog(cfg.log_dir, self.step, self.is_logger, cfg.log, run_config=cfg.to_dict())
+        self.progress = RunProgress(self.step, cfg.train.steps)
         self.probes = DownstreamProbes(cfg.eval.downstream if self.is_logger else DownstreamSection(), cfg.log_dir,
                                        lambda step, row: self.log.write(step, row, prefix="downstream"))
 
@@ -345,6 +318,12 @@ class Trainer:
         return True
 
     def train(self, preemption: Preemption) -> int:
+        try:
+            return self._train_steps(preemption)
+        finally:  # every way out (done, preempted, an error): TensorBoard flushed, the W&B run finished
+            self.log.close()
+
+    def _train_steps(self, preemption: Preemption) -> int:
         cfg, t = self.cfg, self.cfg.train
         batches = iter(self.train_loader)
         nonfinite_in_a_row, saved_at = 0, self.step
@@ -373,13 +352,19 @@ class Trainer:
                 if self.is_logger:
                     print(f"preempted at step {self.step}: checkpoint saved, exiting with {EXIT_PREEMPTED}",
                           flush=True)
+                    self._print_summary()
                 return EXIT_PREEMPTED
         saved = saved_at == self.step or self.save(final=True)
         if cfg.eval.interval and self.step % cfg.eval.interval:
             self._log_eval()
         self.probes.wait()
-        self.log.close()
+        if self.is_logger:
+            self._print_summary()
         return 0 if saved else checkpoint.EXIT_NOT_SAVED
+
+    def _print_summary(self) -> None:
+        samples = self.train_loader.consumed_samples  # this phase's, resumed runs included
+        print(self.progress.summary(self.step, samples, samples * self.cfg.data.seq_len), flush=True)
 
     def _log_step(self, metrics: dict, elapsed: float) -> None:
         t = self.cfg.train
@@ -395,7 +380,9 @@ class Trainer:
                    # Constant after warm-up; growing means something recompiles every step.
                    "compiled_graphs": compiled_graph_count() if t.compile else None}
         if self.is_logger:
-            print(format_line(self.step, t.steps, metrics), flush=True)
+            print(f"{self.progress.prefix()} {format_line(self.step, t.steps, metrics)} | "
+                  f"{self.progress.suffix(self.step)}", flush=True)
+        self.progress.record_step(metrics)
         self.log.write(self.step, {k: v for k, v in metrics.items() if v is not None})
 
     def _log_eval(self) -> None:
@@ -403,6 +390,8 @@ class Trainer:
         if metrics is None:
             return
         if self.is_logger:
-            print(f"eval step {self.step} | " + " | ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items())),
-                  flush=True)
+            print(f"{self.progress.prefix()} eval step {self.step} | "
+                  + " | ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items()))
+                  + f" | {self.progress.suffix(self.step)}", flush=True)
+        self.progress.record_eval(metrics)
         self.log.write(self.step, metrics, prefix="valid")

@@ -2,6 +2,7 @@
 exact resume, crash safety, and configs rejected before any rank starts."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -74,6 +75,12 @@ def test_exact_resume_is_bitwise(tiny_corpus, tmp_path):
     (resumed / "checkpoints" / "latest").write_text("step00000006\n")
     output = check(run_training(resumed, tiny_corpus["shards"], *common))
     assert "resumed from" in output and "at step 6 (96 samples consumed)" in output
+    # Log lines carry the wall clock, this process's elapsed time and the ETA; the run ends with a summary.
+    stamp, clock = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\]", r"\d+:\d\d:\d\d"
+    assert re.search(rf"^{stamp} step 7/12 \| loss .* \| elapsed {clock} \| ETA {clock}$", output, re.M), output
+    assert re.search(rf"^{stamp} eval step 8 \| .* \| elapsed {clock} \| ETA {clock}$", output, re.M), output
+    assert re.search(rf"^{stamp} summary \| steps 6->12 of 12 \| 192 samples \| 12,288 tokens \| wall {clock} \| "
+                     rf"mean samples/s [\d.]+ \| best valid loss [\d.]+$", output, re.M), output
     straight_rows, resumed_rows = train_metrics(tmp_path / "straight"), train_metrics(resumed)
     assert [r["step"] for r in resumed_rows] == list(range(1, 13))
     for a, b in zip(straight_rows[6:], resumed_rows[6:]):

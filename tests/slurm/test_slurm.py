@@ -16,6 +16,7 @@ import pytest
 
 from launch import REPO, TINY_CONFIG, env as launch_env
 from slurm_cluster import SlurmCluster
+from wandb_records import offline_runs
 
 pytestmark = pytest.mark.slow
 
@@ -128,15 +129,29 @@ def test_pretrain_deepspeed_sbatch_matches_srun(cluster, tiny_corpus, reference,
 
 def test_deepspeed_sbatch_preemption_requeues_and_resumes_exactly(cluster, tiny_corpus, reference, tmp_path):
     """USR1 through the deepspeed launcher's job: the trainers checkpoint (the launchers ignore the
-    signal), the job requeues, resumes, and ends with the uninterrupted run's per-step metrics."""
-    job = submit(cluster, tmp_path, "pretrain_deepspeed.sbatch", *train_args(tiny_corpus["shards"], tmp_path / "run"),
-                 options=DEEPSPEED_SHAPE)
+    signal), the job requeues, resumes, and ends with the uninterrupted run's per-step metrics; its
+    offline W&B run is one run across both attempts."""
+    wandb = ("log.wandb.project=convbert-ds-test", "log.wandb.mode=offline", "log.wandb.tags=[slurm, requeue]")
+    job = submit(cluster, tmp_path, "pretrain_deepspeed.sbatch",
+                 *train_args(tiny_corpus["shards"], tmp_path / "run", *wandb), options=DEEPSPEED_SHAPE)
     step = preempt(cluster, tmp_path, job, 2, "--signal=USR1", "--batch")
     info = expect_completed(cluster, job, tmp_path)
     log = job_log(tmp_path, job)
     assert info["Restarts"] == "1" and "preempted; requeueing job" in log, log[-4000:]
     assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/step{step:08d} at step {step}" in log
-    same_steps(train_rows(tmp_path / "run"), reference["rows"])
+    rows = train_rows(tmp_path / "run")
+    same_steps(rows, reference["rows"])
+    # Both attempts wrote their own offline directory, under the one run id kept in the log directory.
+    logs = tmp_path / "run" / "logs"
+    attempts = offline_runs(logs)
+    run_id = (logs / "wandb_run_id").read_text().strip()
+    assert len(attempts) == 2 and {a["run_id"] for a in attempts} == {run_id}, attempts
+    assert all(a["project"] == "convbert-ds-test" and a["tags"] == ["slurm", "requeue"] for a in attempts)
+    first, second = ([h for h in a["history"] if "train/loss" in h] for a in attempts)
+    assert [h["step"] for h in first][:step] == list(range(1, step + 1))
+    assert [h["step"] for h in second] == list(range(step + 1, STEPS + 1))
+    for logged in first[:step] + second:  # what W&B holds is what metrics.jsonl holds
+        assert logged["train/loss"] == rows[logged["step"] - 1]["loss"]
 
 
 def preempt(cluster: SlurmCluster, workdir: Path, job: str, after_step: int, *scancel: str) -> int:

@@ -28,7 +28,7 @@ from convbert_ds.data.loader import parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split
 from convbert_ds.engine.checkpoint import COMPLETE, latest_complete, read_trainer_state
 from convbert_ds.engine.pipeline import check_pipeline_ds_config, pipeline_layer_names
-from convbert_ds.engine.train_config import TrainConfig
+from convbert_ds.engine.train_config import PROFILE_KINDS, TrainConfig
 from convbert_ds.engine.universal import Layout
 from convbert_ds.formats.shard_manifest import read_manifest
 from convbert_ds.formats.init_dir import init_generator_config, init_model_config, read_init
@@ -296,6 +296,22 @@ def previous_phase(cfg: TrainConfig, exists: bool = True) -> Path | None:
     return path / tag
 
 
+def _check_profile(cfg: TrainConfig, cuda: bool) -> None:
+    p = cfg.train.profile
+    if not p.start_step:
+        return
+    unknown = [kind for kind in p.what if kind not in PROFILE_KINDS]
+    if unknown or not p.what:
+        raise ConfigError(f"train.profile.what={p.what!r}: use a non-empty list of {list(PROFILE_KINDS)}")
+    gpu_only = [kind for kind in p.what if kind in ("memory", "nvtx")]
+    if gpu_only and not cuda:
+        raise ConfigError(f"train.profile.what={p.what!r}: {gpu_only} need a GPU (CUDA memory snapshots, NVTX "
+                          "ranges); use [trace] on CPU")
+    if p.start_step > cfg.train.steps:
+        raise ConfigError(f"train.profile.start_step={p.start_step} is after the last step (train.steps="
+                          f"{cfg.train.steps}); choose a step inside the run, after warm-up (e.g. 10)")
+
+
 def _check_tracking(cfg: TrainConfig) -> None:
     w = cfg.log.wandb
     if w.project is None:
@@ -309,12 +325,14 @@ def _check_tracking(cfg: TrainConfig) -> None:
 
 def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunPlan:
     """Check everything that needs no process group and resolve the run (see the module docstring)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
     micro_batch_size, grad_accum = _check_combinations(cfg, world_size)
     base_ds = load_ds_config(cfg)
     precision = precision_of(cfg, base_ds)
-    if precision == "fp16" and not (torch.cuda.is_available() if cuda is None else cuda):
+    if precision == "fp16" and not cuda:
         raise ConfigError("fp16 needs a GPU (DeepSpeed refuses fp16 on CPU); use train.precision=bf16 or fp32")
     _check_tracking(cfg)
+    _check_profile(cfg, cuda)
     ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision)
     if cfg.pipeline.stages > 1:
         check_pipeline_ds_config(ds_config)

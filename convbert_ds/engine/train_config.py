@@ -81,6 +81,20 @@ class DataSection:
     cache_dir: Annotated[str | None, Key("where sample indexes go when the shard dirs are read-only")] = None
 
 
+PROFILE_KINDS = ("trace", "memory", "nvtx")
+
+
+@dataclass
+class ProfileSection:
+    """A window of steps to profile (``convbert_ds/engine/profiling.py``); every rank writes its own files."""
+
+    start_step: Annotated[int, Key("first step profiled; 0: no profiling", min=0)] = 0
+    steps: Annotated[int, Key("how many steps from start_step", min=1)] = 3
+    what: Annotated[list, Key(f"any of {list(PROFILE_KINDS)}: trace = torch profiler trace (TensorBoard, "
+                              "Chrome/Perfetto), memory = CUDA memory snapshot (GPU), nvtx = NVTX ranges for "
+                              "nsys (GPU)")] = field(default_factory=lambda: ["trace"])
+
+
 @dataclass
 class TrainSection:
     micro_batch_size: Annotated[int | None, Key("samples per rank per forward/backward; null: global_batch_size / "
@@ -101,6 +115,7 @@ class TrainSection:
     activation_checkpointing: Annotated[bool, Key("recompute activations in the backward (less memory)")] = False
     compile: Annotated[bool, Key("run every encoder layer through torch.compile (inductor); off by default: on "
                                  "CPU it gains a few percent for a start-up compile (benchmarks/RESULTS.md)")] = False
+    profile: ProfileSection = field(default_factory=ProfileSection)
     max_nonfinite_in_a_row: Annotated[int, Key("stop after this many non-finite losses in a row", min=1)] = 10
     peak_tflops: Annotated[float | None, Key("per-device peak for MFU; null: known GPUs only", min=0.0)] = None
 

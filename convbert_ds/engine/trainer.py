@@ -26,6 +26,7 @@ from convbert_ds.engine.pipeline import (
 )
 from convbert_ds.engine.metrics_log import MetricsLog
 from convbert_ds.engine.plan import RunPlan
+from convbert_ds.engine.profiling import StepProfiler
 from convbert_ds.engine.progress import RunProgress
 from convbert_ds.engine.train_config import DownstreamSection
 from convbert_ds.engine.universal import Layout
@@ -143,6 +144,7 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(name, cfg.train.peak_tflops)
         self.log = MetricsLog(cfg.log_dir, self.step, self.is_logger, cfg.log, run_config=cfg.to_dict())
         self.progress = RunProgress(self.step, cfg.train.steps)
+        self.profiler = StepProfiler(cfg.train.profile, cfg.log_dir, dist.get_rank(), announce=self.is_logger)
         self.probes = DownstreamProbes(cfg.eval.downstream if self.is_logger else DownstreamSection(), cfg.log_dir,
                                        lambda step, row: self.log.write(step, row, prefix="downstream"))
 
@@ -320,7 +322,8 @@ class Trainer:
     def train(self, preemption: Preemption) -> int:
         try:
             return self._train_steps(preemption)
-        finally:  # every way out (done, preempted, an error): TensorBoard flushed, the W&B run finished
+        finally:  # every way out (done, preempted, an error): profiles written, TensorBoard flushed, W&B finished
+            self.profiler.close()
             self.log.close()
 
     def _train_steps(self, preemption: Preemption) -> int:
@@ -329,8 +332,10 @@ class Trainer:
         nonfinite_in_a_row, saved_at = 0, self.step
         while self.step < t.steps:
             start = time.perf_counter()
+            self.profiler.begin_step(self.step + 1)
             metrics, nonfinite = (self._pipeline_step if self.pipelined else self._plain_step)(batches)
             self.step += 1
+            self.profiler.end_step(self.step)
             elapsed = time.perf_counter() - start
             self.probes.poll()
             self.nonfinite_total += nonfinite

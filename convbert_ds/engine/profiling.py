@@ -1,0 +1,88 @@
+"""Profile a window of training steps (``train.profile``): steps ``start_step`` to ``start_step + steps - 1``.
+
+What each kind writes, per rank, under ``log.dir/profile/``:
+
+- ``trace``: the torch profiler's trace of the window (CPU ops, and CUDA kernels on a GPU), as
+  ``rank{R}.{time}.pt.trace.json``: TensorBoard's profiler plugin reads the folder
+  (``tensorboard --logdir log.dir/profile``), and Chrome's ``chrome://tracing`` or Perfetto open the file.
+  Each step is a ``train step N`` range in it.
+- ``memory``: a CUDA memory snapshot (every allocation of the window with its stack),
+  ``memory_rank{R}.pickle``, for https://pytorch.org/memory_viz.
+- ``nvtx``: NVTX ranges for Nsight Systems, one per step (``train step N``) and one per op inside it;
+  run the job under ``nsys profile --capture-range=nvtx --nvtx-capture='train step N'`` or whole.
+
+The window costs nothing outside itself: no profiler object exists before ``start_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from convbert_ds.engine.train_config import ProfileSection
+
+
+class StepProfiler:
+    def __init__(self, section: ProfileSection, log_dir: Path, rank: int, announce: bool):
+        self.section, self.rank, self.announce = section, rank, announce
+        self.first = section.start_step
+        self.last = section.start_step + section.steps - 1 if section.start_step else 0
+        self.out = log_dir / "profile"
+        self.trace, self.memory = None, False
+        self.step_context: contextlib.ExitStack | None = None
+
+    def active(self, step: int) -> bool:
+        return self.first <= step <= self.last and self.first > 0
+
+    def begin_step(self, step: int) -> None:
+        """Before step ``step`` runs (steps count from 1)."""
+        if not self.active(step):
+            return
+        what = self.section.what
+        if step == self.first:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if "trace" in what:
+                cuda = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+                self.trace = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, *cuda], profile_memory=True,
+                    on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.out), f"rank{self.rank}"))
+                self.trace.start()
+            if "memory" in what:
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+                self.memory = True
+        self.step_context = contextlib.ExitStack()
+        name = f"train step {step}"
+        if self.trace is not None:
+            self.step_context.enter_context(torch.profiler.record_function(name))
+        if "nvtx" in what:
+            self.step_context.enter_context(torch.cuda.nvtx.range(name))
+            self.step_context.enter_context(torch.autograd.profiler.emit_nvtx())
+
+    def end_step(self, step: int) -> None:
+        """After step ``step`` ran; the last step of the window writes the files."""
+        if not self.active(step):
+            return
+        self.step_context.close()
+        if step == self.last:
+            self.close()
+
+    def close(self) -> None:
+        """Write what the window recorded (also for a run that stops inside the window)."""
+        if self.step_context is not None:
+            self.step_context.close()
+            self.step_context = None
+        wrote = False
+        if self.trace is not None:
+            self.trace.stop()  # writes the trace through on_trace_ready
+            self.trace, wrote = None, True
+        if self.memory:
+            torch.cuda.memory._dump_snapshot(str(self.out / f"memory_rank{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.memory, wrote = False, True
+        self.first = self.last = 0  # once
+        if wrote and self.announce:
+            print(f"profile: steps {self.section.start_step}-{self.section.start_step + self.section.steps - 1} "
+                  f"({', '.join(self.section.what)}) written to {self.out} (tensorboard --logdir {self.out}, "
+                  "or open a .pt.trace.json in Perfetto)", flush=True)

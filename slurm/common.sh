@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Shared by slurm/pretrain.sbatch and slurm/pretrain_deepspeed.sbatch (sourced, not run).
 #
-# cbd_start NAME CONFIG [key=value ...]   environment, per-job log directory, rendezvous address
+# cbd_start NAME CONFIG [key=value ...]   environment, launch prefix, per-job log directory, rendezvous address
 # cbd_check_config WORLD_SIZE             the trainer's own validation, before any rank starts
 # cbd_check_nodes PROCS_PER_NODE          every node: processes vs GPUs, checkpoint dir writable + shared
 # cbd_run COMMAND...                      run the training step; SIGUSR1/SIGTERM reach it as SIGUSR1
@@ -53,7 +53,16 @@ cbd_start() {
     source "$env_file"
     set -u
   fi
-  command -v python >/dev/null || cbd_die "no python on PATH after activating the environment"
+  # Every process this job starts runs through the launch prefix, e.g. "apptainer exec --nv image.sif"
+  # (words split on spaces; an argument with spaces needs a wrapper script).
+  read -r -a CBD_PREFIX <<<"${CONVBERT_DS_LAUNCH_PREFIX:-}"
+  if [ ${#CBD_PREFIX[@]} -gt 0 ]; then
+    cbd_log "launch prefix: ${CBD_PREFIX[*]}"
+    "${CBD_PREFIX[@]}" python -c '' 2>/dev/null || cbd_die "no python through CONVBERT_DS_LAUNCH_PREFIX=" \
+      "'${CONVBERT_DS_LAUNCH_PREFIX}' (it must run the command that follows it, e.g. apptainer exec IMAGE)"
+  else
+    command -v python >/dev/null || cbd_die "no python on PATH after activating the environment"
+  fi
 
   # Ranks come from SLURM_* (or from the deepspeed launcher): stale torch variables from the
   # submitting shell would win over them.
@@ -113,7 +122,7 @@ cbd_tasks_per_node() {
 # checkpoint.dir from it.
 cbd_check_config() {
   local world=$1 out
-  out=$(python -m convbert_ds.train --config "$CBD_CONFIG" "${CBD_OVERRIDES[@]}" --check-config --world-size "$world") ||
+  out=$("${CBD_PREFIX[@]}" python -m convbert_ds.train --config "$CBD_CONFIG" "${CBD_OVERRIDES[@]}" --check-config --world-size "$world") ||
     cbd_die "$CBD_CONFIG with ${CBD_OVERRIDES[*]:-no overrides} is not valid (above); nothing was started"
   CBD_CKPT_DIR=$(sed -n 's/^checkpoint_dir=//p' <<<"$out" | tail -n 1)
   cbd_log "config $CBD_CONFIG valid for $world processes; checkpoints in $CBD_CKPT_DIR"
@@ -152,7 +161,7 @@ cbd_check_nodes() {
   local procs=$1 nodes=${SLURM_JOB_NUM_NODES:-1} probe missing host waited=0
   probe="$CBD_CKPT_DIR/.node-check-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
   srun --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 \
-    bash -c 'source "$1" && cbd_node_check "$2" "$3"' _ "$CBD_LIB" "$procs" "$probe" \
+    "${CBD_PREFIX[@]}" bash -c 'source "$1" && cbd_node_check "$2" "$3"' _ "$CBD_LIB" "$procs" "$probe" \
     || cbd_die "a node failed its checks (above)"
   # Node 0 must see every node's file, or ranks would write checkpoints nobody else can read.
   while :; do

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -295,3 +296,14 @@ if __name__ == "__main__":
             signal.pause()
         except KeyboardInterrupt:
             pass
+
+
+def recording_prefix(directory: Path) -> tuple[str, Path]:
+    """A stand-in for a container launcher, used as ``CONVBERT_DS_LAUNCH_PREFIX="container-exec IMAGE"``
+    (two words, as ``apptainer exec IMAGE``): it appends the command it was given to a record file, one
+    line each, drops IMAGE and runs the command unchanged. Returns (the prefix, the record file)."""
+    record = directory / "prefix-calls.txt"
+    script = directory / "container-exec"
+    script.write_text(f'#!/bin/bash\nprintf "%s\\n" "$*" >> {shlex.quote(str(record))}\nshift\nexec "$@"\n')
+    script.chmod(0o755)
+    return f"{script} image.sif", record

@@ -21,24 +21,22 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from convbert_ds.config import ElectraConfig, ModelConfig
+from convbert_ds.convert.model_card import PIPELINE_TAGS, RTD_HEAD_FILE, CardFacts, model_card
 from convbert_ds.convert.reader import open_checkpoint, read_state_dict
 from convbert_ds.convert.verify import verify_output
 from convbert_ds.formats.init_dir import ConvertError
-from convbert_ds.formats.shard_manifest import file_sha256
 from convbert_ds.fsutil import refuse_non_empty, write_dir_atomically
 from convbert_ds.model.hf_io import config_json
 from convbert_ds.model.tied import untie
 from preprocessing.tokenizer import TOKENIZER_FILES, tokenizer_sha256
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RTD_HEAD_FILE = "rtd_head.safetensors"
 _DISC, _RTD, _GEN = "discriminator.convbert.", "discriminator.discriminator_predictions.", "generator."
 
 
@@ -82,68 +80,6 @@ def resolve_tokenizer(recorded: dict | None, override=None) -> Path:
     return directory
 
 
-@dataclass
-class CardFacts:
-    """What the model card says about where the weights came from."""
-
-    source: str
-    command: str
-    trainer_state: dict = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-
-def model_card(electra: ElectraConfig, facts: CardFacts, dtype: str, report: dict | None) -> str:
-    state = facts.trainer_state
-    tok = state.get("tokenizer") or {}
-    lines = ["---", "library_name: transformers", "tags: [convbert, electra, convbert_ds]", "---", "",
-             "# ConvBERT pretrained with convbert_ds", "",
-             f"Converted from {facts.source}.", ""]
-    if electra.objective == "electra":
-        lines += ["- `discriminator/`: `ConvBertModel` (the model to fine-tune); its replaced-token-detection head "
-                  f"is in `discriminator/{RTD_HEAD_FILE}` under ELECTRA's names (`discriminator_predictions."
-                  "dense`, `discriminator_predictions.dense_prediction`): `logits = dense_prediction(act(dense("
-                  "hidden))).squeeze(-1)`, `act` = `hidden_act`."]
-        if electra.generator.not_in_transformers() is None:
-            lines.append("- `generator/`: `ConvBertForMaskedLM`, the ELECTRA generator (embeddings shared with the "
-                         "discriminator; LM head = word embeddings, written out).")
-    else:
-        lines += ["- `generator/`: `ConvBertForMaskedLM` (objective `mlm`: the main model is a masked LM; there is "
-                  "no discriminator)."]
-    lines += ["- Both load offline: `AutoModel.from_pretrained(dir, local_files_only=True)`, "
-              "`AutoTokenizer.from_pretrained(dir, local_files_only=True)`.", "", "## Training", ""]
-    for key, label in (("step", "steps"), ("tokens_seen", "tokens seen"), ("samples_seen", "samples seen"),
-                       ("precision", "precision"), ("zero_stage", "ZeRO stage"),
-                       ("pipeline_stages", "pipeline stages"), ("world_size", "ranks")):
-        if key in state:
-            value = state[key]
-            lines.append(f"- {label}: {value:,}" if isinstance(value, int) else f"- {label}: {value}")
-    for entry in state.get("data_sets") or []:
-        manifest = Path(entry["path"]) / "manifest.json"
-        digest = file_sha256(manifest) if manifest.is_file() else "not found at conversion time"
-        lines.append(f"- data: `{entry['path']}` (weight {entry.get('weight')}, manifest.json sha256 {digest})")
-    if tok:
-        lines.append(f"- tokenizer: {tok.get('kind')}, vocab {tok.get('vocab_size')}, special ids "
-                     f"{tok.get('special_ids')}, sha256 {tok.get('sha256')}")
-    lines += ["", "## Model config", "", "| | " + " | ".join(_models(electra)) + " |",
-              "|---|" + "---|" * len(_models(electra))]
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_ratio",
-                 "intermediate_size", "embedding_size", "conv_kernel_size", "num_groups", "hidden_act",
-                 "max_position_embeddings", "pad_token_id"):
-        lines.append(f"| {name} | " + " | ".join(str(getattr(c, name)) for c in _models(electra).values()) + " |")
-    lines += ["", "## Conversion", "", f"```\n{facts.command}\n```", "",
-              f"Weights: {dtype}. {' '.join(facts.notes)}".rstrip(), ""]
-    if report:
-        lines.append("Verified against transformers (max abs difference, fp32): "
-                     + ", ".join(f"{k} {v:.2e}" for k, v in report.items()) + ".")
-    return "\n".join(lines) + "\n"
-
-
-def _models(electra: ElectraConfig) -> dict[str, ModelConfig]:
-    if electra.objective == "electra":
-        return {"discriminator": electra.discriminator, "generator": electra.generator}
-    return {"generator (mlm)": electra.discriminator}
-
-
 def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, tokenizer_dir, facts: CardFacts,
              dtype: str = "fp32", verify: bool = False, force: bool = False, native_ok: bool = False) -> dict | None:
     """Write OUT (see the module docstring); with ``verify``, compare against transformers before the rename.
@@ -179,9 +115,10 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
             save_tensors(parts["rtd_head"], tmp / "discriminator" / RTD_HEAD_FILE, dtype)
         if verify:
             report.update(verify_output(tmp, weights, electra, DTYPES[dtype], tokenizer_dir, RTD_HEAD_FILE))
-        card = model_card(electra, facts, dtype, report or None)
-        for target in [tmp, *(tmp / name for name in dirs)]:
-            (target / "README.md").write_text(card)
+        # The root and discriminator/ describe the model to fine-tune; generator/ is a fill-mask model.
+        root_tag = PIPELINE_TAGS["discriminator" if electra.objective == "electra" else "generator"]
+        for target, tag in [(tmp, root_tag), *((tmp / name, PIPELINE_TAGS[name]) for name in dirs)]:
+            (target / "README.md").write_text(model_card(electra, facts, dtype, report or None, tag))
 
     write_dir_atomically(out, fill)
     return report or None

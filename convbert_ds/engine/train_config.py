@@ -226,6 +226,11 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, values: dict) -> TrainConfig:
+        """The inverse of ``to_dict`` (e.g. the config a checkpoint recorded), validated as a file would be."""
+        return _build(cls, values, "")
+
     @property
     def log_dir(self) -> Path:
         return Path(self.log.dir) if self.log.dir else Path(self.checkpoint.dir).parent / "logs"

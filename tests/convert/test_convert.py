@@ -14,15 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+import yaml
 from safetensors.torch import load_file
 
 from convbert_ds.convert import ConvertError, convert_checkpoint, open_checkpoint, read_state_dict, write_hf
 from convbert_ds.convert.__main__ import main as cli_main
-from convbert_ds.convert.to_hf import CardFacts
+from convbert_ds.convert.model_card import CardFacts
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.engine.pipeline import pipeline_layer_names
 from launch import REPO, check, env, run_training
 from shard_factory import read_text_documents
+from slurm_cluster import recording_prefix
 
 pytestmark = pytest.mark.slow
 
@@ -126,6 +128,14 @@ def test_checkpoint_converts_to_transformers_with_equal_outputs(kind, runs, conv
     assert torch.equal(gen["generator_lm_head.weight"], gen["convbert.embeddings.word_embeddings.weight"])
     card = (out / "README.md").read_text()
     assert "steps: 3" in card and "tokens seen: 3,072" in card and tiny_corpus_sha(tiny_corpus) in card
+    # The Hub's front matter: what it reads to list and tag the model; the license is left to the publisher.
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta == {"library_name": "transformers", "license": "other", "datasets": ["corpus.txt"],
+                    "tags": ["convbert", "electra", "convbert_ds", "pretraining"],
+                    "pipeline_tag": "feature-extraction"}
+    assert yaml.safe_load((out / "generator" / "README.md").read_text().split("---")[1])["pipeline_tag"] == "fill-mask"
+    assert "global batch 16" in card and "- no validation pass before this checkpoint" in card
+    assert "hf upload ORG/NAME discriminator ." in card
 
 
 def test_exported_models_take_512_tokens_whatever_the_training_length(runs, converted):
@@ -388,7 +398,9 @@ def test_slurm_script_by_hand_and_its_env_variable(runs, tmp_path):
 
 def test_slurm_job_converts_on_a_real_cluster(runs, cluster, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("submit")
-    job_env = {**cluster.env(env()), "CONVBERT_DS_ENV": str(Path(sys.executable).parent / "activate")}
+    prefix, record = recording_prefix(workdir)  # as a container launcher would be
+    job_env = {**cluster.env(env()), "CONVBERT_DS_ENV": str(Path(sys.executable).parent / "activate"),
+               "CONVBERT_DS_LAUNCH_PREFIX": prefix}
     jobs = {}
     for name, args in (("good", ["--checkpoint", str(runs["zero3"]), "--out", "hf", "--verify"]),
                        ("bad", ["--checkpoint", "nowhere", "--out", "hf2"])):
@@ -401,3 +413,5 @@ def test_slurm_job_converts_on_a_real_cluster(runs, cluster, tmp_path_factory):
     assert (workdir / "hf" / "discriminator" / "model.safetensors").is_file()
     assert "verified: max abs difference" in log
     assert (bad["JobState"], bad["ExitCode"]) == ("FAILED", "2:0") and "convert error:" in log
+    assert [call.split()[:4] for call in record.read_text().splitlines()] == \
+        [["image.sif", "python", "-m", "convbert_ds.convert"]] * 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launch import REPO, TINY_CONFIG, env as launch_env
-from slurm_cluster import SlurmCluster
+from slurm_cluster import SlurmCluster, recording_prefix
 from wandb_records import offline_runs
 
 pytestmark = pytest.mark.slow
@@ -91,11 +91,25 @@ def wait_for(condition, timeout: float, what: str):
 def reference(cluster, tiny_corpus, tmp_path_factory):
     """An uninterrupted run through slurm/pretrain.sbatch: the baseline the other runs must reproduce."""
     workdir = tmp_path_factory.mktemp("reference")
+    prefix, record = recording_prefix(workdir)  # a container launcher's stand-in: transparent, but recorded
     job = submit(cluster, workdir, "pretrain.sbatch", *train_args(tiny_corpus["shards"], workdir / "run"),
-                 options=SRUN_SHAPE)
+                 options=SRUN_SHAPE, env=job_env(cluster, CONVBERT_DS_LAUNCH_PREFIX=prefix))
     info = expect_completed(cluster, job, workdir)
     return {"workdir": workdir, "run": workdir / "run", "job": job, "info": info,
-            "rows": train_rows(workdir / "run"), "log": job_log(workdir, job)}
+            "rows": train_rows(workdir / "run"), "log": job_log(workdir, job), "prefix_calls": record}
+
+
+def test_the_launch_prefix_runs_every_process_of_the_job(reference):
+    """CONVBERT_DS_LAUNCH_PREFIX ("apptainer exec IMAGE" in real use) starts every process the job runs:
+    the python probe, the config check, the node checks and each trainer task."""
+    calls = reference["prefix_calls"].read_text().splitlines()
+    assert all(call.startswith("image.sif ") for call in calls), calls
+    assert sum(call == "image.sif python -c " for call in calls) == 1, calls
+    assert sum("-m convbert_ds.train" in call and "--check-config --world-size 2" in call for call in calls) == 1
+    assert sum("cbd_node_check" in call for call in calls) == 1, calls  # one node
+    trainers = [call for call in calls if "trainer python -u -m convbert_ds.train" in call]
+    assert len(trainers) == 2, calls  # one per srun task
+    assert "launch prefix: " in reference["log"]
 
 
 def test_pretrain_sbatch_trains_with_falling_loss(reference):
@@ -117,10 +131,13 @@ def test_pretrain_sbatch_trains_with_falling_loss(reference):
 
 
 def test_pretrain_deepspeed_sbatch_matches_srun(cluster, tiny_corpus, reference, tmp_path):
+    prefix, record = recording_prefix(tmp_path)
     job = submit(cluster, tmp_path, "pretrain_deepspeed.sbatch", *train_args(tiny_corpus["shards"], tmp_path / "run"),
-                 options=DEEPSPEED_SHAPE)
+                 options=DEEPSPEED_SHAPE, env=job_env(cluster, CONVBERT_DS_LAUNCH_PREFIX=prefix))
     expect_completed(cluster, job, tmp_path)
     log = job_log(tmp_path, job)
+    launchers = [call for call in record.read_text().splitlines() if "exec deepspeed --hostfile" in call]
+    assert len(launchers) == 1 and launchers[0].startswith("image.sif bash -c "), launchers  # one per node
     (log_dir,) = (tmp_path / "runs" / "slurm").glob(f"*-{job}")
     assert (log_dir / "hostfile").read_text() == f"{cluster.node} slots=2\n"
     assert "deepspeed.launcher.launch" in log and "--node_rank=0" in log and "launcher=torch world_size=2" in log
@@ -255,7 +272,8 @@ def test_bad_jobs_stop_before_training_with_one_clear_error(case, cluster, tiny_
 def test_preprocess_array_and_merge_match_a_single_run(cluster, tiny_corpus, tmp_path):
     result = cluster.run("bash", str(REPO / "slurm" / "preprocess_submit.sh"), "3", "--cpus-per-task=1", "--",
                          "--input", str(tiny_corpus["corpus"]), "--tokenizer", str(tiny_corpus["tokenizer"]),
-                         "--out", "shards", "--valid-fraction", "0.05", cwd=tmp_path, env=job_env(cluster))
+                         "--out", "shards", "--valid-fraction", "0.05", cwd=tmp_path,
+                         env=job_env(cluster, CONVBERT_DS_LAUNCH_PREFIX=recording_prefix(tmp_path)[0]))
     ids = dict(item.split("=") for item in result.stdout.split())
     info = cluster.wait_job(ids["merge"], 240)
     outputs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("*.out")))
@@ -268,6 +286,8 @@ def test_preprocess_array_and_merge_match_a_single_run(cluster, tiny_corpus, tmp
         for key in ("documents", "sequences", "tokens"):
             assert merged["splits"][split][key] == single["splits"][split][key], (split, key)
     assert merged["splits"]["train"]["tokens"] > 50_000
+    calls = (tmp_path / "prefix-calls.txt").read_text().splitlines()  # every task ran through the prefix
+    assert sorted(call.split()[3] for call in calls) == ["preprocessing.merge"] + ["preprocessing.shard"] * 3, calls
 
 
 def test_mpirun_inside_a_slurm_job_takes_ranks_from_mpi(cluster, tmp_path):

@@ -119,3 +119,16 @@ class BlendedDataset(MappedRecords, torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         dataset, sample = self._records[i].tolist()
         return self.datasets[dataset][sample]
+
+
+def describe_blend(dataset, run_samples: int) -> list[str]:
+    """What a run of ``run_samples`` samples takes from each set of ``dataset`` (a ``BlendedDataset`` or one
+    ``PackedDataset``): its share of the samples, how many it gives, and how many epochs of it that is."""
+    datasets = getattr(dataset, "datasets", [dataset])
+    fractions = getattr(dataset, "weights", [1.0])
+    lines = []
+    for d, fraction in zip(datasets, fractions):
+        drawn = fraction * run_samples
+        lines.append(f"{d.source.shard_dir}: {fraction:.1%} of the samples, {drawn:,.0f} of its {len(d):,} "
+                     f"= {drawn / len(d):.2f} epochs")
+    return lines

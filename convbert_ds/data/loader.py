@@ -57,8 +57,10 @@ def parse_sets(sets) -> list[tuple[Path, float]]:
 
 
 def build_dataset(sets, split: str, seq_len: int, seed: int = 1234, num_samples: int | None = None,
-                  cache_dir: str | os.PathLike | None = None, progress: bool = True) -> PackedDataset | BlendedDataset:
-    """One dataset over ``split`` of every set; blended by weight when there are several.
+                  cache_dir: str | os.PathLike | None = None, progress: bool = True,
+                  size_exponent: float = 0.0) -> PackedDataset | BlendedDataset:
+    """One dataset over ``split`` of every set; blended when there are several, set ``i`` drawn in
+    proportion to ``weight_i x len(set_i) ** size_exponent`` (temperature sampling; 0: the weights alone).
 
     Every manifest is checked (and the tokenizers compared) before any index is built.
     """
@@ -70,8 +72,9 @@ def build_dataset(sets, split: str, seq_len: int, seed: int = 1234, num_samples:
                 for s in splits]
     if len(datasets) == 1 and num_samples is None:
         return datasets[0]
-    return BlendedDataset(datasets, [w for _, w in parsed], seed=seed, num_samples=num_samples,
-                          cache_dir=cache_dir, progress=progress)
+    weights = [w * len(d) ** size_exponent for (_, w), d in zip(parsed, datasets)]
+    return BlendedDataset(datasets, weights, seed=seed, num_samples=num_samples, cache_dir=cache_dir,
+                          progress=progress)
 
 
 class PretrainingDataLoader:
@@ -119,7 +122,7 @@ def build_dataloader(sets, split: str = TRAIN_SPLIT, *, seq_len: int, micro_batc
                      seed: int = 1234, dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0,
                      num_workers: int = 0, pin_memory: bool = False, num_samples: int | None = None,
                      max_samples: int | None = None, cache_dir: str | os.PathLike | None = None,
-                     progress: bool = True) -> PretrainingDataLoader:
+                     progress: bool = True, size_exponent: float = 0.0) -> PretrainingDataLoader:
     """Build the loader for ``split`` of ``sets`` (``data.sets``: ``[{path, weight}, ...]``).
 
     ``split == "train"``: endless, shuffled per epoch, resumable at ``consumed_samples``.
@@ -128,7 +131,7 @@ def build_dataloader(sets, split: str = TRAIN_SPLIT, *, seq_len: int, micro_batc
     ``num_samples`` sizes the blend of several sets (default: their total size).
     """
     dataset = build_dataset(sets, split, seq_len, seed=seed, num_samples=num_samples, cache_dir=cache_dir,
-                            progress=progress)
+                            progress=progress, size_exponent=size_exponent)
     if split == TRAIN_SPLIT:
         sampler = PretrainingSampler(len(dataset), micro_batch_size, dp_rank, dp_size, seed,
                                      consumed_samples=consumed_samples)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from convbert_ds.data.blending import describe_blend
 from convbert_ds.data.loader import build_dataloader
 from convbert_ds.engine import checkpoint, distributed, universal
 from convbert_ds.engine.downstream_probe import DownstreamProbes
@@ -126,13 +127,18 @@ class Trainer:
         self.train_loader = build_dataloader(
             cfg.data.sets, "train", seq_len=cfg.data.seq_len, micro_batch_size=self.plan.micro_batch_size,
             seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
-            cache_dir=cfg.data.cache_dir, progress=self.is_logger)
+            cache_dir=cfg.data.cache_dir, progress=self.is_logger, size_exponent=cfg.data.size_exponent)
+        if self.is_logger:
+            run_samples = cfg.train.steps * cfg.train.global_batch_size
+            print(f"data: {run_samples:,} samples over the run ({cfg.train.steps:,} steps x "
+                  f"{cfg.train.global_batch_size}):\n  "
+                  + "\n  ".join(describe_blend(self.train_loader.dataset, run_samples)), flush=True)
         self.valid_loader = None
         if self.plan.has_valid and cfg.eval.samples > 0:
             self.valid_loader = build_dataloader(
                 cfg.data.sets, "valid", seq_len=cfg.data.seq_len, micro_batch_size=self.plan.micro_batch_size,
                 seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, max_samples=cfg.eval.samples,
-                cache_dir=cfg.data.cache_dir, progress=self.is_logger)
+                cache_dir=cfg.data.cache_dir, progress=self.is_logger, size_exponent=cfg.data.size_exponent)
         self.ckpt_dir = Path(cfg.checkpoint.dir)
         self.step, self.nonfinite_total = 0, 0
         self.phase = dict(FIRST_PHASE)  # which phase this run is, and what the earlier ones saw

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from shard_factory import corpus, write_shard_dir
 
-from convbert_ds.data.blending import BLEND_DTYPE, BlendedDataset, blend_counts, build_blend_index
+from convbert_ds.data.blending import BLEND_DTYPE, BlendedDataset, blend_counts, build_blend_index, describe_blend
 from convbert_ds.data.index_cache import load_or_build
 from convbert_ds.data.loader import build_dataset
 from convbert_ds.data.packing import PackedDataset
@@ -88,3 +88,25 @@ def test_windowed_build_matches_a_single_window(tmp_path):
             [300, 50, 1000], [0.3, 0.3, 0.4], 4001, seed=3, writer=writer, window=window) or {}).records
 
     np.testing.assert_array_equal(build(97), build(1 << 20))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_temperature_sampling_draws_in_proportion_to_weight_times_size_to_the_alpha(sets, tmp_path, alpha):
+    entries = [{"path": sets[0], "weight": 1.0}, {"path": sets[1], "weight": 2.0}]
+    blend = build_dataset(entries, "train", seq_len=64, seed=1, cache_dir=tmp_path, progress=False,
+                          size_exponent=alpha)
+    sizes = np.array([len(d) for d in blend.datasets], dtype=np.float64)
+    expected = np.array([1.0, 2.0]) * sizes ** alpha
+    expected /= expected.sum()
+    share = np.bincount(np.asarray(blend.blend["dataset"]), minlength=2) / len(blend)
+    np.testing.assert_allclose(share, expected, atol=1.0 / len(blend))
+    assert sizes[0] > 3 * sizes[1]  # the big set's share grows with alpha: 1/3 at 0, most of it at 1
+
+
+def test_the_run_plan_says_what_each_set_gives_in_epochs(sets, tmp_path):
+    blend = build_dataset([{"path": sets[0], "weight": 3.0}, {"path": sets[1], "weight": 1.0}], "train",
+                          seq_len=64, seed=1, cache_dir=tmp_path, progress=False)
+    big, small = (len(d) for d in blend.datasets)
+    lines = describe_blend(blend, run_samples=4000)
+    assert lines == [f"{sets[0]}: 75.0% of the samples, 3,000 of its {big:,} = {3000 / big:.2f} epochs",
+                     f"{sets[1]}: 25.0% of the samples, 1,000 of its {small:,} = {1000 / small:.2f} epochs"]

@@ -27,6 +27,7 @@ import io
 import itertools
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -288,13 +289,14 @@ def train_tokenizer(inputs: list[str], out: str | os.PathLike, vocab_size: int =
     sources = resolve_inputs(inputs, text_field)
 
     stats: dict[str, int] = {}
-    sentences = itertools.chain.from_iterable(iter_documents(sources, text_field, strict, MAX_LINE_CHARS, stats))
-    model = io.BytesIO()
-    spm.set_random_generator_seed(seed)
-    try:
+
+    def train(size: int) -> bytes:
+        sentences = itertools.chain.from_iterable(iter_documents(sources, text_field, strict, MAX_LINE_CHARS, stats))
+        model = io.BytesIO()
+        spm.set_random_generator_seed(seed)
         spm.SentencePieceTrainer.train(
             sentence_iterator=sentences, model_writer=model,
-            model_type=model_type, vocab_size=vocab_size, hard_vocab_limit=False,
+            model_type=model_type, vocab_size=size, hard_vocab_limit=False,
             character_coverage=character_coverage, byte_fallback=byte_fallback,
             pad_id=0, unk_id=1, bos_id=2, eos_id=3,
             pad_piece=SPECIAL_TOKENS["pad"], unk_piece=SPECIAL_TOKENS["unk"],
@@ -303,11 +305,28 @@ def train_tokenizer(inputs: list[str], out: str | os.PathLike, vocab_size: int =
             input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
             max_sentence_length=4 * MAX_LINE_CHARS, normalization_rule_name="nmt_nfkc",
             num_threads=num_threads or os.cpu_count() or 1, minloglevel=0 if verbose else 2)
+        return model.getvalue()
+
+    reserved = len(SPECIAL_TOKENS) + (256 if byte_fallback else 0)  # sentencepiece's meta pieces
+    try:
+        # A size below the reserved pieces fails inside sentencepiece before it counts the corpus's
+        # characters; asking for one more than reserved makes it report the smallest size that works.
+        proto = train(vocab_size if vocab_size > reserved else reserved + 1)
+        if vocab_size <= reserved:
+            raise PreprocessingError(f"--vocab-size {vocab_size} is too small: every tokenizer reserves {reserved} "
+                                     f"pieces (5 special tokens{' + 256 byte-fallback pieces' if byte_fallback else ''})"
+                                     f"; use --vocab-size {reserved + 1} or more")
     except RuntimeError as e:
         if not stats.get("lines"):
             raise PreprocessingError(f"no text found in {', '.join(inputs)}") from None
+        needed = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(e))
+        if needed:
+            raise PreprocessingError(
+                f"--vocab-size {vocab_size} is too small for this corpus: it needs at least {needed.group(1)} pieces "
+                f"({reserved} reserved + the characters that cover {character_coverage:g} of its text); use "
+                f"--vocab-size {needed.group(1)} or more, or a lower --character-coverage") from None
         raise PreprocessingError(f"sentencepiece training failed: {e}") from None
-    proto = _quantize_scores(model.getvalue())
+    proto = _quantize_scores(proto)
 
     def fill(tmp: Path) -> None:
         (tmp / "tokenizer.model").write_bytes(proto)

@@ -25,6 +25,7 @@ from convbert_ds.config import (
     preset_generator_multiplier,
 )
 from convbert_ds.data.loader import parse_sets
+from convbert_ds.errors import UserError
 from convbert_ds.data.shards import check_same_tokenizer, open_split
 from convbert_ds.engine.checkpoint import COMPLETE, latest_complete, read_trainer_state
 from convbert_ds.engine.pipeline import check_pipeline_ds_config, pipeline_layer_names
@@ -156,7 +157,10 @@ def _electra_config(cfg: TrainConfig, vocab_size: int, special_ids: dict) -> Ele
             raise ConfigError(f"model.overrides.vocab_size={overrides['vocab_size']} but the shards' tokenizer has "
                               f"{vocab_size} tokens; drop the override (the vocabulary is read from the manifest)")
         overrides.update(vocab_size=vocab_size, pad_token_id=special_ids["pad"])
-        body = preset(m.preset, **overrides)
+        try:  # ModelConfig names its field; the user wrote it under model.overrides
+            body = preset(m.preset, **overrides)
+        except ConfigError as error:
+            raise ConfigError(f"model.overrides={m.overrides!r}: {error}") from None
         if cfg.data.seq_len > body.max_position_embeddings:
             raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds max_position_embeddings="
                               f"{body.max_position_embeddings} (model.overrides); raise it (512 by default, whatever "
@@ -228,8 +232,6 @@ def _check_combinations(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
             value = getattr(d, name)
             if not value or not Path(value).exists():
                 raise ConfigError(f"eval.downstream.{name}={value!r}: not found; point it at the task's files")
-        if d.nice > 19:
-            raise ConfigError(f"eval.downstream.nice={d.nice}: use a priority in [0, 19]")
     return micro, t.global_batch_size // per_step
 
 
@@ -341,7 +343,12 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     check_same_tokenizer(train_splits)
     first = train_splits[0]
     init = cfg.model.init_from_hf
-    if init and read_init(init)["tokenizer"]["sha256"] != first.tokenizer.get("sha256"):
+    if init:
+        try:  # the format's own error names the file; the user needs to know which key pointed there
+            recorded = read_init(init)
+        except UserError as error:
+            raise ConfigError(f"model.init_from_hf={init!r}: {error}") from None
+    if init and recorded["tokenizer"]["sha256"] != first.tokenizer.get("sha256"):
         raise ConfigError(f"model.init_from_hf={init!r}: the shards were made with another tokenizer; shard the "
                           f"corpus with --tokenizer {init}/tokenizer")
     electra = _electra_config(cfg, first.vocab_size, first.special_ids)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -28,16 +29,33 @@ from typing import Annotated, Literal
 
 import yaml
 
-from convbert_ds.config import ConfigError
+from convbert_ds.config import PRESET_NAMES, ConfigError
 from convbert_ds.data.packing import MIN_SEQ_LEN
 
 
 @dataclass(frozen=True)
 class Key:
-    """What a config key means, and the smallest value it takes (None: any)."""
+    """What a config key means, and the values it takes: at least ``min``, at most ``max``, below ``below``
+    (None: no bound). The one place the valid ranges live: loading enforces them, ``--help`` shows them,
+    and the fuzz tests draw their out-of-range values from them."""
 
     help: str
     min: float | None = None
+    max: float | None = None
+    below: float | None = None
+    choices: tuple | None = None  # the values a string key takes, when they are not a fixed Literal
+
+    def check(self, value, path: str, given) -> None:
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(f"{path}={given!r}: use one of {list(self.choices)} ({self.help})")
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        if self.min is not None and value < self.min:
+            raise ConfigError(f"{path}={given!r}: must be >= {self.min:g} ({self.help})")
+        if self.max is not None and value > self.max:
+            raise ConfigError(f"{path}={given!r}: must be <= {self.max:g} ({self.help})")
+        if self.below is not None and value >= self.below:
+            raise ConfigError(f"{path}={given!r}: must be < {self.below:g} ({self.help})")
 
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -45,7 +63,8 @@ Precision = Literal["fp32", "bf16", "fp16"]
 
 @dataclass
 class ModelSection:
-    preset: Annotated[str, Key("model size: tiny, small, medium-small or base (the paper's Table 5)")] = "small"
+    preset: Annotated[str, Key("model size: tiny, small, medium-small or base (the paper's Table 5)",
+                               choices=PRESET_NAMES)] = "small"
     objective: Annotated[Literal["electra", "mlm"], Key("electra: generator + replaced-token detection; "
                                                         "mlm: masked LM alone")] = "electra"
     generator_multiplier: Annotated[float | None, Key("generator width / discriminator width; null: the "
@@ -54,7 +73,7 @@ class ModelSection:
     tie_generator_body: Annotated[bool, Key(
         "ELECTRA's 'tie all weights': the generator is the discriminator's encoder under its own MLM head "
         "(generator_multiplier 1.0); with rtd_weight 1 what makes the tiny preset transfer")] = False
-    mask_prob: Annotated[float, Key("share of tokens masked", min=0.0)] = 0.15
+    mask_prob: Annotated[float, Key("share of tokens masked", min=0.0, max=1.0)] = 0.15
     masking: Annotated[Literal["fixed", "bernoulli"], Key(
         "fixed: the official code's count per sequence, max(1, min(max_predictions_per_seq, round(mask_prob x "
         "real tokens))) positions; bernoulli: each token with probability mask_prob")] = "fixed"
@@ -77,7 +96,7 @@ class DataSection:
         default_factory=list)
     seq_len: Annotated[int, Key("tokens per sample", min=MIN_SEQ_LEN)] = 128
     seed: Annotated[int, Key("seed of the sample order and the masks")] = 1234
-    num_workers: Annotated[int, Key("data-loader worker processes per rank", min=0)] = 1
+    num_workers: Annotated[int, Key("data-loader worker processes per rank", min=0, max=256)] = 1
     cache_dir: Annotated[str | None, Key("where sample indexes go when the shard dirs are read-only")] = None
     size_exponent: Annotated[float, Key(
         "alpha of temperature sampling: set i is drawn in proportion to weight_i x samples_i^alpha; 0: the "
@@ -109,8 +128,8 @@ class TrainSection:
     lr: Annotated[float, Key("peak learning rate (AdamW, linear warm-up then linear decay)", min=0.0)] = 3e-4
     warmup_steps: Annotated[int, Key("linear warm-up steps", min=0)] = 10000
     weight_decay: Annotated[float, Key("AdamW weight decay (not on biases and LayerNorm)", min=0.0)] = 0.01
-    adam_beta1: Annotated[float, Key("AdamW beta1", min=0.0)] = 0.9
-    adam_beta2: Annotated[float, Key("AdamW beta2", min=0.0)] = 0.999
+    adam_beta1: Annotated[float, Key("AdamW beta1", min=0.0, below=1.0)] = 0.9
+    adam_beta2: Annotated[float, Key("AdamW beta2", min=0.0, below=1.0)] = 0.999
     adam_eps: Annotated[float, Key("AdamW epsilon", min=0.0)] = 1e-6
     grad_clip: Annotated[float, Key("gradient-norm clipping; 0: off", min=0.0)] = 1.0
     precision: Annotated[Precision | None, Key("fp32, bf16 or fp16; null: as the DeepSpeed file's "
@@ -155,7 +174,7 @@ class DownstreamSection:
         default_factory=list)
     random_baseline: Annotated[bool, Key("also fine-tune a random init once, for comparison")] = True
     nice: Annotated[int, Key("scheduling priority of the probe (0-19): the training ranks come first",
-                             min=0)] = 10
+                             min=0, max=19)] = 10
     threads: Annotated[int, Key("torch threads of the probe process", min=1)] = 1
 
 
@@ -260,8 +279,8 @@ def _build(cls, values: dict, where: str):
             continue
         hint, key = typing.get_args(hint) if typing.get_origin(hint) is Annotated else (hint, None)
         kwargs[name] = _coerce(value, hint, path)
-        if key is not None and key.min is not None and kwargs[name] is not None and kwargs[name] < key.min:
-            raise ConfigError(f"{path}={value!r}: must be >= {key.min:g} ({key.help})")
+        if key is not None:
+            key.check(kwargs[name], path, value)
     return cls(**kwargs)
 
 
@@ -280,6 +299,8 @@ def _coerce(value, hint, path: str):
                 return value
             raise ConfigError(f"{path}={value!r}: use one of {list(typing.get_args(kind))}")
         if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{path}={value!r}: must be a finite number")
             return float(value)
         if origin is int and isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -299,7 +320,8 @@ def describe_keys(cls=TrainConfig, where: str = "") -> list[str]:
             continue
         kind, key = typing.get_args(hint)
         name = str(kind).replace("typing.", "") if typing.get_origin(kind) else kind.__name__
-        bound = f", >= {key.min:g}" if key.min is not None else ""
+        bound = "".join(f", {sign} {limit:g}" for sign, limit in ((">=", key.min), ("<=", key.max), ("<", key.below))
+                        if limit is not None)
         lines.append(f"  {path} ({name}{bound}) = {getattr(defaults, f.name)!r}\n      {key.help}")
     return lines
 
@@ -338,13 +360,34 @@ def _merge(base: dict, extra: dict) -> dict:
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> TrainConfig:
     values: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
-        try:
-            with open(path, encoding="utf-8") as f:
-                values = (json.load(f) if path.suffix == ".json" else yaml.safe_load(f)) or {}
-        except (UnicodeDecodeError, yaml.YAMLError, json.JSONDecodeError) as error:
-            raise ConfigError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
-                              f"{str(error).splitlines()[0]}") from None
+        values = _read_config_file(Path(path))
     return _build(TrainConfig, _merge(values, parse_overrides(list(overrides))), "")
+
+
+def _read_config_file(path: Path) -> dict:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass a YAML file such as configs/small.yaml")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    kind = "JSON" if path.suffix == ".json" else "YAML"
+    try:
+        text = path.read_bytes().decode("utf-8")
+        values = (json.loads(text) if kind == "JSON" else yaml.safe_load(text)) or {}
+    except OSError as error:
+        raise ConfigError(f"config file {path} cannot be read: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at "
+                          f"offset {error.start}); save it as UTF-8") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"config file {path} is not valid JSON: line {error.lineno}, column {error.colno}: "
+                          f"{error.msg}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML: {where}{what}"
+                          + (f" ({error.context})" if getattr(error, "context", None) else "")) from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} holds a {type(values).__name__}, not a mapping of sections "
+                          "(model:, data:, train:, ...)")
+    return values

@@ -214,6 +214,8 @@ def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, work
                    "settings": settings}
 
     root = Path(out)
+    if root.exists() and not root.is_dir():  # found by the CLI fuzz tests: mkdir's traceback otherwise
+        raise PreprocessingError(f"--out {root} is a file; --out needs a directory (new, or a run to resume)")
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         try:

@@ -372,6 +372,8 @@ def _read_config_file(path: Path) -> dict:
     kind = "JSON" if path.suffix == ".json" else "YAML"
     try:
         text = path.read_bytes().decode("utf-8")
+        if not text.strip():
+            raise ConfigError(f"config file {path} is empty; start from one of configs/*.yaml")
         values = (json.loads(text) if kind == "JSON" else yaml.safe_load(text)) or {}
     except OSError as error:
         raise ConfigError(f"config file {path} cannot be read: {error.strerror}") from None

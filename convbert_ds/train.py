@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error{where}: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     cfg = plan.cfg
+    if not plan.has_valid and cfg.eval.interval and cfg.eval.samples and distributed.rank() == 0:
+        # Degrades the run without stopping it: say so at start, not by an absence of eval lines hours later.
+        print("warning: not every data.sets directory has a validation split, so evaluation is off; shard with "
+              "--valid-fraction 0.01 to get one, or set eval.interval=0 to silence this", file=sys.stderr)
     if args.print_config:
         print(json.dumps(dataclasses.asdict(plan), indent=2, default=str))
     if args.check_config:

@@ -39,6 +39,11 @@ from preprocessing.sources import resolve_inputs
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+SUMMARY_FILE = "preprocessing_tokenizer.json"  # written last by train_tokenizer: the directory is ours
+# What train_tokenizer writes: the model, transformers' files (the converter copies them into exports)
+# and the summary. A directory with the summary and not all of these was damaged or copied in part.
+WRITTEN_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 SUMMARY_FILE)
 # The files that define a tokenizer; their bytes make up Tokenizer.sha256.
 TOKENIZER_FILES = SENTENCEPIECE_FILES + ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                                          "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt")
@@ -172,6 +177,10 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     d = Path(directory)
     if not d.is_dir():
         raise PreprocessingError(f"tokenizer directory {directory} does not exist")
+    missing = [name for name in WRITTEN_FILES if not (d / name).is_file()]
+    if (d / SUMMARY_FILE).is_file() and missing:
+        raise PreprocessingError(f"tokenizer directory {d} lacks {', '.join(missing)} (python -m preprocessing.tokenizer "
+                                 "writes them all): copy the whole directory, or train the tokenizer again")
     for name in SENTENCEPIECE_FILES:
         if (d / name).is_file():
             return SentencePieceTokenizer(d, d / name)
@@ -338,7 +347,7 @@ def train_tokenizer(inputs: list[str], out: str | os.PathLike, vocab_size: int =
                    "settings": {"input_sentence_size": input_sentence_size,
                                 "character_coverage": character_coverage, "byte_fallback": byte_fallback,
                                 "text_field": text_field, "seed": seed}}
-        (tmp / "preprocessing_tokenizer.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
     return write_dir_atomically(out, fill)
 
@@ -367,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     out = train_tokenizer(args.input, args.out, args.vocab_size, args.model_type, args.text_field,
                           args.input_sentence_size, args.character_coverage, not args.no_byte_fallback, args.strict,
                           args.seed, args.threads, args.overwrite, args.verbose)
-    summary = json.loads((out / "preprocessing_tokenizer.json").read_text())
+    summary = json.loads((out / SUMMARY_FILE).read_text())
     read = summary["read"]
     print(f"wrote {out}: {summary['model_type']} vocab {summary['vocab_size']} "
           f"(asked {summary['requested_vocab_size']}), sha256 {summary['sha256'][:12]}")

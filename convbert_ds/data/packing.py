@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from convbert_ds.config import ConfigError
 from convbert_ds.data.index_cache import MappedRecords, RecordWriter, load_or_build
-from convbert_ds.data.shards import ShardSplit, open_split
+from convbert_ds.data.shards import CACHE_SUBDIR, ShardSplit, open_split
 from convbert_ds.formats.shard_manifest import ShardManifestError
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 INDEX_FORMAT_VERSION = 1
 MIN_SEQ_LEN = 8
 SAMPLE_DTYPE = np.dtype([("shard", "<i4"), ("start", "<i8"), ("len_a", "<i4"), ("len_b", "<i4")])
-CACHE_SUBDIR = "index_cache"
 _BLOCK_SEQUENCES = 1 << 20
 
 

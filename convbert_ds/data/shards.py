@@ -6,6 +6,8 @@ the path and the fix (megatron's own dataset builder hangs on an empty split; th
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +15,13 @@ from pathlib import Path
 import numpy as np
 
 from convbert_ds.config import ConfigError
-from convbert_ds.formats.shard_manifest import MANIFEST, ShardManifestError, read_manifest
+from convbert_ds.formats.shard_manifest import (
+    MANIFEST,
+    SHARD_FILES,
+    ShardManifestError,
+    check_shard_file,
+    read_manifest,
+)
 
 
 @dataclass(frozen=True)
@@ -80,3 +88,43 @@ def check_same_tokenizer(splits: list[ShardSplit]) -> None:
                 f"data.sets {first.shard_dir} and {other.shard_dir} use different tokenizers "
                 f"(sha256 {a[0]} vs {b[0]}, vocab_size {a[1]} vs {b[1]}); shard every set with "
                 f"the same tokenizer dir")
+
+
+CACHE_SUBDIR = "index_cache"  # sample indexes (packing) and the checksum stamp, unless data.cache_dir is set
+VERIFIED_STAMP = "verified.json"
+
+
+def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> int:
+    """Compare every shard file of ``shard_dir`` with the sha256 its manifest lists; returns the bytes hashed.
+
+    A bit flip keeps a file's size, and a flipped token id or index entry would surface hours later as a
+    crash or, worse, as silently different data. Hashing reads every byte, so a file is hashed once: its
+    size and mtime go to ``VERIFIED_STAMP`` beside the sample indexes (``cache_dir``, default
+    ``SHARD_DIR/index_cache``), and a later start hashes only files changed since. A stamp that cannot be
+    written (a read-only directory) costs a re-hash next time, nothing else.
+    """
+    root = Path(shard_dir)
+    stamp_path = Path(cache_dir) / VERIFIED_STAMP if cache_dir else root / CACHE_SUBDIR / VERIFIED_STAMP
+    try:
+        stamp = json.loads(stamp_path.read_text())
+    except (OSError, ValueError):
+        stamp = {}
+    manifest, hashed, changed = read_manifest(root, verify=False), 0, False
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            for ext in SHARD_FILES:
+                file = root / f"{shard['prefix']}.{ext}"
+                stat = file.stat()
+                key, seen = f"{shard['prefix']}.{ext}", [stat.st_size, stat.st_mtime_ns, shard["sha256"][ext]]
+                if stamp.get(key) == seen:
+                    continue
+                check_shard_file(file, shard, ext, root / MANIFEST, verify=True)
+                hashed += stat.st_size
+                stamp[key], changed = seen, True
+    if changed:
+        with contextlib.suppress(OSError):
+            stamp_path.parent.mkdir(parents=True, exist_ok=True)
+            partial = stamp_path.with_suffix(f".tmp{os.getpid()}")
+            partial.write_text(json.dumps(stamp, indent=1) + "\n")
+            partial.replace(stamp_path)
+    return hashed

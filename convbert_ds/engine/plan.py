@@ -26,7 +26,8 @@ from convbert_ds.config import (
 )
 from convbert_ds.data.loader import parse_sets
 from convbert_ds.errors import UserError
-from convbert_ds.data.shards import check_same_tokenizer, open_split
+from convbert_ds.data.shards import check_same_tokenizer, open_split, verify_checksums
+from convbert_ds.engine import distributed
 from convbert_ds.engine.checkpoint import COMPLETE, latest_complete, read_trainer_state
 from convbert_ds.engine.pipeline import check_pipeline_ds_config, pipeline_layer_names
 from convbert_ds.engine.train_config import PROFILE_KINDS, TrainConfig
@@ -340,6 +341,10 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
         check_pipeline_ds_config(ds_config)
     sets = parse_sets(cfg.data.sets)
     train_splits = [open_split(path, "train") for path, _ in sets]
+    if cfg.data.verify == "checksum" and distributed.rank() == 0:
+        # Rank 0 alone reads every byte (once per file, see verify_checksums); the others check sizes.
+        for path, _ in sets:
+            verify_checksums(path, cfg.data.cache_dir)
     check_same_tokenizer(train_splits)
     first = train_splits[0]
     init = cfg.model.init_from_hf

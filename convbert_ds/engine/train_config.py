@@ -98,6 +98,9 @@ class DataSection:
     seed: Annotated[int, Key("seed of the sample order and the masks")] = 1234
     num_workers: Annotated[int, Key("data-loader worker processes per rank", min=0, max=256)] = 1
     cache_dir: Annotated[str | None, Key("where sample indexes go when the shard dirs are read-only")] = None
+    verify: Annotated[Literal["size", "checksum"], Key(
+        "how shard files are checked at start: size, or checksum (also sha256 against the manifest, on rank 0, "
+        "once per file: a stamp in the index cache skips files unchanged since)")] = "checksum"
     size_exponent: Annotated[float, Key(
         "alpha of temperature sampling: set i is drawn in proportion to weight_i x samples_i^alpha; 0: the "
         "weights alone; 1: in proportion to size too; 0.3-0.7: as multilingual pretraining samples languages",

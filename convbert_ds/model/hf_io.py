@@ -33,8 +33,16 @@ def read_config(directory, **overrides) -> ModelConfig:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise WeightsError(f"{path} not found: not a transformers model directory")
-    with open(path) as f:
-        return ModelConfig.from_hf_dict(json.load(f), **overrides)
+    try:
+        values = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise WeightsError(f"{path}: not valid JSON ({error}); restore the model directory's config.json") from None
+    if not isinstance(values, dict):
+        raise WeightsError(f"{path}: holds a {type(values).__name__}, not transformers' config mapping")
+    try:
+        return ModelConfig.from_hf_dict(values, **overrides)
+    except UserError as error:  # ModelConfig names the field; the user needs the file too
+        raise WeightsError(f"{path}: {error}") from None
 
 
 def read_weights(directory) -> dict[str, torch.Tensor]:

@@ -1,0 +1,122 @@
+"""Damaged artifacts, made here from good ones: each is found where it is first read (at start, before any
+process group, not at the first evaluation hours later) and reported in one line naming the file, exit 2.
+
+Shard directories (train and valid splits: ``.bin``, ``.idx`` and the manifest, truncated, bit-flipped or
+emptied), tokenizer directories missing each file, and HF model directories with a wrong ``config.json``.
+Damaged checkpoints are ``tests/engine/test_checkpoint_integrity.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import transformers
+
+from convbert_ds import train
+from convbert_ds.convert.__main__ import main as convert_main
+from launch import TINY_CONFIG
+from preprocessing.errors import run_cli
+from preprocessing.shard import main as shard_main
+from preprocessing.tokenizer import WRITTEN_FILES
+
+
+def _damage(path, kind: str) -> None:
+    data = bytearray(path.read_bytes())
+    if kind == "truncated":
+        data = data[: len(data) // 2]
+    elif kind == "emptied":
+        data = bytearray()
+    else:  # one bit flipped: the size stays, only the checksum can tell
+        data[len(data) // 3] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _err_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip() and "[WARNING]" not in line]
+
+
+@pytest.mark.parametrize("kind", ["truncated", "bit-flipped", "emptied"])
+@pytest.mark.parametrize("file", ["train/shard-00000.bin", "train/shard-00000.idx", "valid/shard-00000.bin",
+                                  "valid/shard-00000.idx", "manifest.json"])
+def test_a_damaged_shard_file_stops_the_run_at_start(file, kind, tiny_corpus, tmp_path, capsys):
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_corpus["shards"], shards, ignore=shutil.ignore_patterns("index_cache"))
+    _damage(shards / file, kind)
+    code = train.main(["--config", str(TINY_CONFIG), f"data.sets=[{{path: '{shards}'}}]", "--check-config",
+                       "--world-size", "2"])
+    err = _err_lines(capsys)
+    assert code == 2 and len(err) == 1, err
+    assert str(shards / file) in err[0] and "python -m preprocessing.shard" in err[0], err
+
+
+def test_checksums_are_read_once_per_file_and_again_after_a_change(tiny_corpus, tmp_path, capsys):
+    from convbert_ds.data.shards import VERIFIED_STAMP, verify_checksums
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_corpus["shards"], shards, ignore=shutil.ignore_patterns("index_cache"))
+    total = sum(p.stat().st_size for p in shards.rglob("shard-*"))
+    assert verify_checksums(shards) == total  # first start: every byte
+    assert (shards / "index_cache" / VERIFIED_STAMP).is_file()
+    assert verify_checksums(shards) == 0  # next starts: nothing
+    idx = shards / "valid" / "shard-00000.idx"
+    _damage(idx, "bit-flipped")  # rewritten: a new mtime, so it is hashed again, and fails
+    with pytest.raises(Exception, match="sha256 differs"):
+        verify_checksums(shards)
+
+
+@pytest.mark.parametrize("missing", WRITTEN_FILES[:-1])  # all but the summary, whose absence marks a foreign dir
+def test_a_tokenizer_dir_missing_a_file_is_one_line(missing, tiny_corpus, tmp_path, capsys):
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(tiny_corpus["tokenizer"], tokenizer)
+    (tokenizer / missing).unlink()
+    code = run_cli(shard_main, ["--input", str(tiny_corpus["corpus"]), "--tokenizer", str(tokenizer),
+                                "--out", str(tmp_path / "shards")])
+    err = _err_lines(capsys)
+    assert code == 2 and len(err) == 1, err
+    assert str(tokenizer) in err[0], err
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tiny_corpus, tmp_path_factory):
+    """A small transformers ConvBertModel directory with the tiny corpus's tokenizer."""
+    out = tmp_path_factory.mktemp("hf")
+    config = transformers.ConvBertConfig(vocab_size=2000, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=128, embedding_size=64, max_position_embeddings=128)
+    transformers.ConvBertModel(config).save_pretrained(out)
+    for path in tiny_corpus["tokenizer"].iterdir():
+        if path.name not in ("config.json",):
+            shutil.copy(path, out / path.name)
+    return out
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: "{not json", "config.json"),
+    (lambda c: json.dumps({**c, "model_type": "bert"}), "model_type"),
+    # transformers' default (768) or another width: the weights no longer fit, and the line says which.
+    (lambda c: json.dumps({k: v for k, v in c.items() if k != "hidden_size"}), "weights do not match the config"),
+    (lambda c: json.dumps({**c, "hidden_size": 96}), "weights do not match the config"),
+    (lambda c: json.dumps({**c, "num_attention_heads": 5}), "num_attention_heads"),
+])
+def test_an_hf_dir_with_a_wrong_config_json_is_one_line(damage, message, hf_dir, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(damage(config))
+    code = convert_main(["--from-hf", str(model), "--out", str(tmp_path / "init")])
+    err = _err_lines(capsys)
+    assert code == 2 and len(err) == 1, err
+    assert message in err[0] and str(model) in err[0], err
+
+
+def test_a_set_without_a_validation_split_warns_at_start(tmp_path, capsys):
+    """Not an error (the run can train), but never silence: one warning line before anything starts."""
+    from shard_factory import corpus, write_shard_dir
+    shards = write_shard_dir(tmp_path / "train_only", {"train": corpus()[:200]}, vocab=2000)
+    code = train.main(["--config", str(TINY_CONFIG), f"data.sets=[{{path: '{shards}'}}]", "--check-config"])
+    err = _err_lines(capsys)
+    assert code == 0 and len(err) == 1, err
+    assert err[0].startswith("warning: not every data.sets directory has a validation split, so evaluation is off")
+    assert train.main(["--config", str(TINY_CONFIG), f"data.sets=[{{path: '{shards}'}}]", "eval.interval=0",
+                       "--check-config"]) == 0
+    assert _err_lines(capsys) == []

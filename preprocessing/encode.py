@@ -211,8 +211,32 @@ def init_worker(tokenizer_spec: tuple[str, bytes | str], options: EncodeOptions,
     _worker["options"] = options
 
 
-def encode_in_worker(chunk: Chunk) -> ChunkResult:
-    return encode_chunk(chunk, _worker["encoder"], _worker["options"])
+def encode_in_worker(chunks: list[Chunk]) -> list[ChunkResult]:
+    return [encode_chunk(chunk, _worker["encoder"], _worker["options"]) for chunk in chunks]
+
+
+def chunk_bytes(chunk: Chunk) -> int:
+    """How much text a chunk holds (bytes of a file, or characters of dataset records)."""
+    return len(chunk.data) if isinstance(chunk.data, bytes) else sum(len(t or "") for t in chunk.data)
+
+
+def work_units(chunks, unit_bytes: int, max_chunks: int = 256):
+    """Consecutive chunks grouped into units of about ``unit_bytes`` of text, one unit per worker task.
+
+    A chunk is whole documents of one source, so a corpus of many small files has as many small chunks;
+    sent one by one, the per-task cost (pickling, a pipe round trip, a result to wait for) outweighed
+    tokenizing them. Grouped, a task carries about as much text as one chunk of a large file. The parent
+    still applies and checkpoints chunk by chunk, so output and resume points do not change.
+    """
+    unit, size = [], 0
+    for chunk in chunks:
+        unit.append(chunk)
+        size += chunk_bytes(chunk)
+        if size >= unit_bytes or len(unit) >= max_chunks:
+            yield unit
+            unit, size = [], 0
+    if unit:
+        yield unit
 
 
 def _start_method() -> str:
@@ -232,7 +256,7 @@ def _start_method() -> str:
 
 
 class EncoderPool:
-    """``submit(chunk) -> Future`` over worker processes, or in this process for ``workers == 0``."""
+    """``submit(chunks) -> Future`` of their results, over worker processes (in this one for ``workers == 0``)."""
 
     def __init__(self, workers: int, tokenizer_spec: tuple[str, bytes | str], options: EncodeOptions):
         self.workers, self.spec, self.options = workers, tokenizer_spec, options
@@ -242,10 +266,10 @@ class EncoderPool:
         if self.workers == 0:
             encoder = LineEncoder(self.spec, single_thread=False)
 
-            def submit(chunk) -> Future:
+            def submit(chunks) -> Future:
                 f: Future = Future()
                 try:
-                    f.set_result(encode_chunk(chunk, encoder, self.options))
+                    f.set_result([encode_chunk(chunk, encoder, self.options) for chunk in chunks])
                 except PreprocessingError as e:
                     f.set_exception(e)
                 return f
@@ -253,7 +277,7 @@ class EncoderPool:
         context = multiprocessing.get_context(_start_method())
         self.executor = ProcessPoolExecutor(self.workers, mp_context=context, initializer=init_worker,
                                             initargs=(self.spec, self.options, os.getpid()))
-        return lambda chunk: self.executor.submit(encode_in_worker, chunk)
+        return lambda chunks: self.executor.submit(encode_in_worker, chunks)
 
     def __exit__(self, *exc) -> None:
         if self.executor is not None:

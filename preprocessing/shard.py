@@ -12,7 +12,7 @@ to ``valid`` by a keyed hash of their text, so the split is deterministic.
 Because chunking, tokenization and the split are all deterministic, the output
 does not depend on the number of workers or on interruptions. A checkpoint
 (``progress.json``) is written whenever a shard closes and every
-``checkpoint_every`` chunks: the finished shards with their hashes, the open
+``checkpoint_every`` x ``block_bytes`` of input: the finished shards with their hashes, the open
 shards' file sizes, the counters, and the input position. A rerun after a crash
 verifies the finished shards, truncates the open ones to the checkpoint and
 goes on from that input position; the manifest comes out identical to an
@@ -47,7 +47,7 @@ from convbert_ds.formats.shard_manifest import (
     write_manifest)
 from convbert_ds.fsutil import FORCE_FLAG, write_json_atomically
 from preprocessing.documents import MAX_LINE_CHARS
-from preprocessing.encode import SPLITS, EncodeOptions, EncoderPool
+from preprocessing.encode import SPLITS, EncodeOptions, EncoderPool, chunk_bytes, work_units
 from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.indexed import ShardWriter, commit_shard
 from preprocessing.sources import Source, iter_chunks, parse_slice, plan_slice, range_bytes, resolve_inputs
@@ -239,8 +239,9 @@ def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, work
             return manifest
         elif (root / PROGRESS).is_file():
             saved = json.loads((root / PROGRESS).read_text())
-            if saved["fingerprint"] != fingerprint:
-                changed = [k for k in fingerprint if saved["fingerprint"].get(k) != fingerprint[k]]
+            # Digests since many-small-file corpora (the sources list is long); whole values before.
+            changed = [k for k in fingerprint if saved["fingerprint"].get(k) not in (fingerprint[k], _digest(fingerprint[k]))]
+            if changed:
                 raise PreprocessingError(
                     f"{root} holds an interrupted run with different {' and '.join(changed)}; rerun it with the "
                     f"same inputs and settings to resume, or pass {FORCE_FLAG} to start over")
@@ -284,11 +285,14 @@ class _Run:
         self._stop_after = int(os.environ.get(_TEST_STOP_AFTER_UNITS) or 0)
 
     def checkpoint(self) -> None:
-        state = {"fingerprint": self.fingerprint, "chunk": self.chunk, "position": list(self.position),
+        # The fingerprint as one digest per part: a corpus of many files has a long sources list, and
+        # serialising it at every checkpoint cost more than tokenizing small files.
+        state = {"fingerprint": {k: _digest(v) for k, v in self.fingerprint.items()}, "chunk": self.chunk,
+                 "position": list(self.position),
                  "done_in_chunk": dict(self.done_in_chunk), "stats": self.stats,
                  "source_documents": self.source_documents,
                  "splits": {name: split.saved() for name, split in self.splits.items()}}
-        write_json_atomically(self.root / PROGRESS, state, indent=1)
+        write_json_atomically(self.root / PROGRESS, state)
         for prefix in self._uncommitted:
             commit_shard(self.root / prefix)
         self._uncommitted.clear()
@@ -317,19 +321,24 @@ class _Run:
             start = time.perf_counter()
             pending: collections.deque = collections.deque()
             window = 2 * max(workers, 1) + 2
-            for chunk in chunks:
-                pending.append((chunk, submit(chunk)))
+            for batch in work_units(chunks, self.settings["block_bytes"]):
+                pending.append((batch, submit(batch)))
                 while len(pending) >= window:
-                    since_checkpoint = self._apply(*pending.popleft(), since_checkpoint, bar, start)
+                    since_checkpoint = self._apply_unit(*pending.popleft(), since_checkpoint, bar, start)
             while pending:
-                since_checkpoint = self._apply(*pending.popleft(), since_checkpoint, bar, start)
+                since_checkpoint = self._apply_unit(*pending.popleft(), since_checkpoint, bar, start)
 
-    def _apply(self, chunk, future, since_checkpoint: int, bar, start: float) -> int:
+    def _apply_unit(self, batch, future, since_checkpoint: int, bar, start: float) -> int:
         try:
-            result = future.result()
+            results = future.result()
         except BrokenProcessPool:
             raise PreprocessingError("a worker process died (out of memory?); rerun the same command to resume") \
                 from None
+        for chunk, result in zip(batch, results):  # chunk by chunk, as if each had been its own unit
+            since_checkpoint = self._apply(chunk, result, since_checkpoint, bar, start)
+        return since_checkpoint
+
+    def _apply(self, chunk, result, since_checkpoint: int, bar, start: float) -> int:
         self.chunk, self.position = chunk.index, chunk.position
         # After a resume, the first chunk's documents up to the checkpoint are already written.
         skip, self.resume_skip = self.resume_skip, {s: 0 for s in SPLITS}
@@ -344,8 +353,10 @@ class _Run:
         self.processed["tokens"] += sum(int(p.tokens.size) for p in result.parts.values())
         self.chunk, self.position = chunk.index + 1, chunk.next_position
         self.done_in_chunk = {s: 0 for s in SPLITS}
-        since_checkpoint += 1
-        if since_checkpoint >= self.checkpoint_every:
+        # Counted in input bytes, not chunks: a corpus of many small files has a chunk per file, and a
+        # checkpoint per few of them (fsyncs, the progress file) would cost more than the tokenizing.
+        since_checkpoint += chunk_bytes(chunk)
+        if since_checkpoint >= self.checkpoint_every * self.settings["block_bytes"]:
             self.checkpoint()
             since_checkpoint = 0
         elapsed = max(time.perf_counter() - start, 1e-9)
@@ -417,7 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strict", action="store_true", help="invalid UTF-8 is an error instead of replaced")
     parser.add_argument("--text-field", default="text", help="field holding the text in JSON/Parquet/Arrow inputs")
     parser.add_argument("--block-bytes", type=int, default=1 << 20, help="input bytes per unit of work")
-    parser.add_argument("--checkpoint-every", type=int, default=64, help="chunks between checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=64,
+                        help="checkpoint after this many --block-bytes of input (and whenever a shard closes)")
     parser.add_argument(FORCE_FLAG, "--overwrite", dest="overwrite", action="store_true",
                         help="replace shards made with other inputs/settings, or an interrupted run's")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -97,6 +97,14 @@ PATH_CASES = [
 BAD_KINDS = ["missing", "file", "empty", "dir", "latin1"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _elsewhere(tmp_path_factory):
+    """Run from a scratch directory: a fuzzed relative path (a cache or output dir) must not land in the repo."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("cwd"))
+        yield
+
+
 def _expand(argv: list[str], paths: dict, bad_path) -> list[str]:
     out = []
     for arg in argv:

@@ -47,6 +47,14 @@ def _keys(cls=TrainConfig, where: str = "") -> list[tuple[str, object, Key]]:
 KEYS = _keys()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _elsewhere(tmp_path_factory):
+    """Run from a scratch directory: a fuzzed relative path (a cache or output dir) must not land in the repo."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("cwd"))
+        yield
+
+
 def _allowed(kind) -> tuple:
     return typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else (kind,)
 

@@ -47,6 +47,20 @@ def cluster(tmp_path_factory):
         pytest.skip(str(error))
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Give every test the environment it started with.
+
+    A test that runs a command line in-process (``train.main``) has it fill RANK/WORLD_SIZE/MASTER_PORT
+    into ``os.environ``, as a launched process would; left there, every later test's subprocesses
+    inherited them and took "torch" as their launcher with a world of one.
+    """
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 _REPORTED: set[str] = set()  # a failing module fixture fails every test that uses it: print its error once
 
 

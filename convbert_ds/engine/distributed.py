@@ -18,6 +18,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+FAILED_RANK_GRACE_S = 5.0  # see exit_process
 _MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
@@ -161,7 +163,14 @@ def exit_process(code: int) -> NoReturn:
     run that finished and saved aborts ("terminate called without an active exception", signal 6) now and
     then. Nothing is lost by skipping finalization: the trainer closes its logs and checkpoints before it
     returns, and only stdio and logging handlers still buffer.
+
+    A rank other than 0 that fails waits ``FAILED_RANK_GRACE_S`` first. A failure found alike on every
+    rank (a config error, a damaged checkpoint) is printed by rank 0 only, and the ``deepspeed``
+    launcher kills the whole group the moment any rank exits non-zero: a rank 1 that left at once
+    could take rank 0 down before its one line was out, leaving an exit code 2 and no message.
     """
+    if code != 0 and rank() != 0:
+        time.sleep(FAILED_RANK_GRACE_S)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -330,39 +330,35 @@ class _Run:
 
     def _apply_unit(self, batch, future, since_checkpoint: int, bar, start: float) -> int:
         try:
-            results = future.result()
+            result = future.result()
         except BrokenProcessPool:
             raise PreprocessingError("a worker process died (out of memory?); rerun the same command to resume") \
                 from None
-        for chunk, result in zip(batch, results):  # chunk by chunk, as if each had been its own unit
-            since_checkpoint = self._apply(chunk, result, since_checkpoint, bar, start)
-        return since_checkpoint
-
-    def _apply(self, chunk, result, since_checkpoint: int, bar, start: float) -> int:
-        self.chunk, self.position = chunk.index, chunk.position
-        # After a resume, the first chunk's documents up to the checkpoint are already written.
+        first, last = batch[0], batch[-1]
+        self.chunk, self.position = first.index, first.position
+        # After a resume, the unit's documents up to the checkpoint are already written.
         skip, self.resume_skip = self.resume_skip, {s: 0 for s in SPLITS}
         self.done_in_chunk = dict(skip)
         for name in SPLITS:
             self.splits[name].add(result.parts[name], skip[name], self.done_in_chunk, self._close_shard)
         for key, value in result.stats.items():
             self.stats[key] += value
-        kept = sum(len(p.document_sequences) for p in result.parts.values())
-        self.source_documents[result.source] += kept
-        self.processed["documents"] += kept
+        for source, kept in result.documents_per_source.items():
+            self.source_documents[source] += kept
+            self.processed["documents"] += kept
         self.processed["tokens"] += sum(int(p.tokens.size) for p in result.parts.values())
-        self.chunk, self.position = chunk.index + 1, chunk.next_position
+        self.chunk, self.position = last.index + 1, last.next_position
         self.done_in_chunk = {s: 0 for s in SPLITS}
-        # Counted in input bytes, not chunks: a corpus of many small files has a chunk per file, and a
-        # checkpoint per few of them (fsyncs, the progress file) would cost more than the tokenizing.
-        since_checkpoint += chunk_bytes(chunk)
+        # Counted in input bytes, not chunks or units: a checkpoint per few small files (fsyncs, the
+        # progress file) would cost more than tokenizing them.
+        since_checkpoint += sum(map(chunk_bytes, batch))
         if since_checkpoint >= self.checkpoint_every * self.settings["block_bytes"]:
             self.checkpoint()
             since_checkpoint = 0
         elapsed = max(time.perf_counter() - start, 1e-9)
         bar.set_postfix_str(f"{self.processed['documents'] / elapsed:,.0f} docs/s "
                             f"{self.processed['tokens'] / elapsed:,.0f} tok/s", refresh=False)
-        bar.update(chunk.progress_bytes)
+        bar.update(sum(chunk.progress_bytes for chunk in batch))
         return since_checkpoint
 
     def write_manifest(self) -> dict:

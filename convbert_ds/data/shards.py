@@ -7,6 +7,7 @@ the path and the fix (megatron's own dataset builder hangs on an empty split; th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from convbert_ds.formats.shard_manifest import (
     check_shard_file,
     read_manifest,
 )
+from convbert_ds.fsutil import write_json_atomically
 
 
 @dataclass(frozen=True)
@@ -94,17 +96,25 @@ CACHE_SUBDIR = "index_cache"  # sample indexes (packing) and the checksum stamp,
 VERIFIED_STAMP = "verified.json"
 
 
+def _stamp_path(root: Path, cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is None:
+        return root / CACHE_SUBDIR / VERIFIED_STAMP
+    # Several sets may share data.cache_dir, and their shard files have the same relative names.
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"verified-{digest}.json"
+
+
 def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> int:
     """Compare every shard file of ``shard_dir`` with the sha256 its manifest lists; returns the bytes hashed.
 
     A bit flip keeps a file's size, and a flipped token id or index entry would surface hours later as a
     crash or, worse, as silently different data. Hashing reads every byte, so a file is hashed once: its
-    size and mtime go to ``VERIFIED_STAMP`` beside the sample indexes (``cache_dir``, default
-    ``SHARD_DIR/index_cache``), and a later start hashes only files changed since. A stamp that cannot be
-    written (a read-only directory) costs a re-hash next time, nothing else.
+    size, mtime and expected sha256 go to a stamp beside the sample indexes (``SHARD_DIR/index_cache/``
+    ``VERIFIED_STAMP``, or one per shard dir in ``cache_dir``), and a later start hashes only files changed
+    since. A stamp that cannot be written (a read-only directory) costs a re-hash next time, nothing else.
     """
     root = Path(shard_dir)
-    stamp_path = Path(cache_dir) / VERIFIED_STAMP if cache_dir else root / CACHE_SUBDIR / VERIFIED_STAMP
+    stamp_path = _stamp_path(root, cache_dir)
     try:
         stamp = json.loads(stamp_path.read_text())
     except (OSError, ValueError):
@@ -124,7 +134,5 @@ def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike 
     if changed:
         with contextlib.suppress(OSError):
             stamp_path.parent.mkdir(parents=True, exist_ok=True)
-            partial = stamp_path.with_suffix(f".tmp{os.getpid()}")
-            partial.write_text(json.dumps(stamp, indent=1) + "\n")
-            partial.replace(stamp_path)
+            write_json_atomically(stamp_path, stamp, indent=1)
     return hashed

@@ -25,7 +25,6 @@ from convbert_ds.config import (
     preset_generator_multiplier,
 )
 from convbert_ds.data.loader import parse_sets
-from convbert_ds.errors import UserError
 from convbert_ds.data.shards import check_same_tokenizer, open_split, verify_checksums
 from convbert_ds.engine import distributed
 from convbert_ds.engine.checkpoint import COMPLETE, latest_complete, read_trainer_state
@@ -34,6 +33,7 @@ from convbert_ds.engine.train_config import PROFILE_KINDS, TrainConfig
 from convbert_ds.engine.universal import Layout
 from convbert_ds.formats.shard_manifest import read_manifest
 from convbert_ds.formats.init_dir import init_generator_config, init_model_config, read_init
+from convbert_ds.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -353,9 +353,9 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
             recorded = read_init(init)
         except UserError as error:
             raise ConfigError(f"model.init_from_hf={init!r}: {error}") from None
-    if init and recorded["tokenizer"]["sha256"] != first.tokenizer.get("sha256"):
-        raise ConfigError(f"model.init_from_hf={init!r}: the shards were made with another tokenizer; shard the "
-                          f"corpus with --tokenizer {init}/tokenizer")
+        if recorded["tokenizer"]["sha256"] != first.tokenizer.get("sha256"):
+            raise ConfigError(f"model.init_from_hf={init!r}: the shards were made with another tokenizer; shard "
+                              f"the corpus with --tokenizer {init}/tokenizer")
     electra = _electra_config(cfg, first.vocab_size, first.special_ids)
     layers = len(pipeline_layer_names(electra))
     if cfg.pipeline.stages > layers:

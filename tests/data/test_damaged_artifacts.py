@@ -9,6 +9,8 @@ Damaged checkpoints are ``tests/engine/test_checkpoint_integrity.py``'s.
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 
 import pytest
@@ -16,6 +18,7 @@ import transformers
 
 from convbert_ds import train
 from convbert_ds.convert.__main__ import main as convert_main
+from convbert_ds.formats.shard_manifest import ShardManifestError
 from launch import TINY_CONFIG
 from preprocessing.errors import run_cli
 from preprocessing.shard import main as shard_main
@@ -61,8 +64,22 @@ def test_checksums_are_read_once_per_file_and_again_after_a_change(tiny_corpus, 
     assert verify_checksums(shards) == 0  # next starts: nothing
     idx = shards / "valid" / "shard-00000.idx"
     _damage(idx, "bit-flipped")  # rewritten: a new mtime, so it is hashed again, and fails
-    with pytest.raises(Exception, match="sha256 differs"):
+    with pytest.raises(ShardManifestError, match=f"^{re.escape(str(idx))}: sha256 differs"):
         verify_checksums(shards)
+
+
+def test_sets_sharing_a_cache_dir_keep_their_own_checksum_stamps(tiny_corpus, tmp_path):
+    """Two shard dirs have the same relative file names; one data.cache_dir must not mix their stamps."""
+    from convbert_ds.data.shards import verify_checksums
+    sets = [tmp_path / name for name in ("a", "b")]
+    for shards in sets:
+        shutil.copytree(tiny_corpus["shards"], shards, ignore=shutil.ignore_patterns("index_cache"))
+    for file in sets[1].rglob("shard-*"):  # b's files differ from a's (here by mtime), as two corpora would
+        os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + 10**9))
+    cache = tmp_path / "cache"
+    assert all(verify_checksums(shards, cache) > 0 for shards in sets)
+    assert [verify_checksums(shards, cache) for shards in sets] == [0, 0]
+    assert len(list(cache.glob("verified-*.json"))) == 2
 
 
 @pytest.mark.parametrize("missing", WRITTEN_FILES[:-1])  # all but the summary, whose absence marks a foreign dir

@@ -141,8 +141,30 @@ def _repeat_corpus(corpus: Path, out: Path, times: int) -> Path:
     return out
 
 
-def test_kill_9_then_rerun_gives_the_uninterrupted_manifest(tmp_path, corpus, tokenizer_dir):
+def _as_small_files(text_file: Path, out: Path, file_bytes: int) -> Path:
+    """``text_file``'s documents as files of about ``file_bytes``, in name order (a directory of articles)."""
+    out.mkdir()
+    group, size, n = [], 0, 0
+    for doc in text_file.read_text().split("\n\n"):
+        group.append(doc + "\n\n")
+        size += len(doc)
+        if size >= file_bytes:
+            (out / f"part-{n:05d}.txt").write_text("".join(group))
+            group, size, n = [], 0, n + 1
+    if group:
+        (out / f"part-{n:05d}.txt").write_text("".join(group))
+    return out
+
+
+# One file: a chunk per 64 KB block, a worker task per chunk, a checkpoint after each. Small files: a
+# chunk per file, eight files to a worker task, and checkpoints only where a shard closes, which is inside
+# a task: the crash lands mid-task, and the rerun must re-form that task and skip what it already wrote.
+@pytest.mark.parametrize("layout, chunks_per_block, checkpoint_every", [("one file", 1, 1), ("small files", 8, 1000)])
+def test_kill_9_then_rerun_gives_the_uninterrupted_manifest(layout, chunks_per_block, checkpoint_every, tmp_path,
+                                                            corpus, tokenizer_dir):
     big = _repeat_corpus(corpus, tmp_path / "big.txt", 16)
+    if layout == "small files":
+        big = _as_small_files(big, tmp_path / "articles", 65536 // chunks_per_block)
     args = ["--input", str(big), "--tokenizer", str(tokenizer_dir), "--shard-tokens", "20000",
             "--valid-fraction", "0.05", "--block-bytes", "65536"]
     clean = shard_corpus([str(big)], str(tokenizer_dir), tmp_path / "clean", workers=0, shard_tokens=20_000,
@@ -151,10 +173,11 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_manifest(tmp_path, corpus, to
 
     out = tmp_path / "crashed"
     cmd = [sys.executable, "-m", "preprocessing.shard", *args, "--out", str(out), "--workers", "2",
-           "--checkpoint-every", "1", "--no-progress"]
-    kept = None
-    for stop_after in (10, 30):  # crash twice, at different points: once 10 (then 30) input chunks are recorded
-        # The process SIGKILLs itself right after that checkpoint (a test-only hook in preprocessing.shard).
+           "--checkpoint-every", str(checkpoint_every), "--no-progress"]
+    kept, inside_a_task = None, []
+    for stop_after in (10 * chunks_per_block, 30 * chunks_per_block):  # crash twice, at different points
+        # The process SIGKILLs itself right after the first checkpoint that records this many input chunks
+        # as done (a test-only hook in preprocessing.shard).
         env = {**os.environ, "CONVBERT_DS_TEST_STOP_AFTER_UNITS": str(stop_after)}
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
@@ -166,9 +189,12 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_manifest(tmp_path, corpus, to
         assert proc.returncode == -signal.SIGKILL, f"exit {proc.returncode}, stderr:\n{stderr}"
         progress = json.loads((out / "progress.json").read_text())
         assert progress["chunk"] >= stop_after and not (out / "manifest.json").exists(), stderr
+        inside_a_task.append(any(progress["done_in_chunk"].values()))
         if kept is None:
             assert len(progress["splits"]["train"]["finished"]) >= 3, progress["splits"]["train"]
             kept = (out / "train" / "shard-00000.bin").stat().st_ino
+    if layout == "small files":
+        assert all(inside_a_task), "a crash landed between worker tasks; move the stop points"
     rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert (out / "manifest.json").read_bytes() == (tmp_path / "clean" / "manifest.json").read_bytes()

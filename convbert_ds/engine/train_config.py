@@ -139,10 +139,21 @@ class TrainSection:
                                                "bf16/fp16 'enabled' says")] = None
     seed: Annotated[int, Key("seed of the initial weights")] = 1234
     activation_checkpointing: Annotated[bool, Key("recompute activations in the backward (less memory)")] = False
-    compile: Annotated[bool, Key("run every encoder layer through torch.compile (inductor); off by default: on "
-                                 "CPU it gains a few percent for a start-up compile (benchmarks/RESULTS.md)")] = False
+    compile: Annotated[bool, Key("run the model through torch.compile (inductor, see compile_mode); off by "
+                                 "default: on CPU it gains a few percent for a start-up compile "
+                                 "(benchmarks/RESULTS.md)")] = False
+    compile_mode: Annotated[Literal["layers", "step"], Key(
+        "what train.compile compiles: layers = every encoder layer (masking, sampling and losses eager); step = "
+        "the whole ELECTRA forward and its backward as one graph with no graph break, CUDA graphs on GPUs "
+        "(reduce-overhead): the host leaves the loop")] = "layers"
     profile: ProfileSection = field(default_factory=ProfileSection)
-    max_nonfinite_in_a_row: Annotated[int, Key("stop after this many non-finite losses in a row", min=1)] = 10
+    max_nonfinite_in_a_row: Annotated[int, Key("stop after this many steps in a row with a non-finite loss, where "
+                                               "their updates are skipped (fp16, or nonfinite_check_interval 1); "
+                                               "elsewhere the first one stops the run", min=1)] = 10
+    nonfinite_check_interval: Annotated[int, Key(
+        "steps between the host's reads of the device's non-finite-loss count (also before every checkpoint), so "
+        "the GPU is not stalled every step; 1: every micro-batch's loss is read and a bad one dropped before its "
+        "backward (a device sync each)", min=1)] = 10
     peak_tflops: Annotated[float | None, Key("per-device peak for MFU; null: known GPUs only", min=0.0)] = None
 
 

@@ -3,8 +3,6 @@ checkpoints (saved every ``checkpoint.interval`` steps and on SIGUSR1/SIGTERM) a
 
 from __future__ import annotations
 
-import math
-import signal
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,11 +27,14 @@ from convbert_ds.engine.metrics_log import MetricsLog
 from convbert_ds.engine.plan import RunPlan
 from convbert_ds.engine.profiling import StepProfiler
 from convbert_ds.engine.progress import RunProgress
+from convbert_ds.engine.step_guard import StepGuard, Verdict
 from convbert_ds.engine.train_config import DownstreamSection
 from convbert_ds.engine.universal import Layout
 from convbert_ds.formats.init_dir import load_init_weights
 from convbert_ds.model import ElectraForPretraining
-from convbert_ds.model.layers import compile_layers, compiled_graph_count
+from convbert_ds.model.convbert import check_inputs
+from convbert_ds.model.layers import compile_layers, compile_step, compiled_graph_count
+from convbert_ds.model.sdconv import probe_sdconv
 from convbert_ds.model.optim import param_groups
 
 EXIT_PREEMPTED = 3
@@ -45,26 +46,13 @@ class TrainingError(RuntimeError):
     """Training cannot go on (non-finite losses in a row); the message says how to resume."""
 
 
-class Preemption:
-    """Remembers SIGUSR1/SIGTERM so the loop can checkpoint at the end of the step."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def agreed(self, device) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+# The name train.py and job scripts know: it catches SIGUSR1/SIGTERM from the start (see step_guard.py).
+Preemption = StepGuard
 
 
 def format_line(step: int, steps: int, m: dict) -> str:
-    parts = [f"step {step}/{steps}", f"loss {m['loss']:.4f}"]
-    for key, label, fmt in (("mlm_loss", "gen", ".4f"), ("rtd_loss", "disc", ".4f"), ("mlm_accuracy", "mlm_acc", ".3f"),
+    parts = [f"step {step}/{steps}"]
+    for key, label, fmt in (("loss", "loss", ".4f"), ("mlm_loss", "gen", ".4f"), ("rtd_loss", "disc", ".4f"), ("mlm_accuracy", "mlm_acc", ".3f"),
                             ("rtd_accuracy", "rtd_acc", ".3f"), ("lr", "lr", ".2e"), ("grad_norm", "gnorm", ".3f"),
                             ("samples_per_s", "samples/s", ".1f"), ("tokens_per_s", "tok/s", ".0f"),
                             ("tflops", "TFLOP/s", ".2f"), ("mfu", "MFU", ".1%")):
@@ -92,7 +80,13 @@ class Trainer:
 
     def _build_model(self):
         model = self._build_uncompiled_model()
-        if self.cfg.train.compile:
+        if self.cfg.train.compile and torch.cuda.is_available():
+            # sdconv_impl=auto decides per layout by running the kernels once: eagerly, before tracing.
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+            probe_sdconv(model, torch.device("cuda", torch.cuda.current_device()), dtype)
+        if self.cfg.train.compile and self.cfg.train.compile_mode == "step":
+            compile_step(model, cuda=torch.cuda.is_available())
+        elif self.cfg.train.compile:
             compile_layers(model)
         return model
 
@@ -238,33 +232,45 @@ class Trainer:
 
     # The loop ---------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
+        """Checked here, on the host copy, where reading token ids costs no device sync (the model is then
+        called with ``check=False``)."""
+        check_inputs(self.electra.discriminator, batch["input_ids"], batch.get("attention_mask"),
+                     batch.get("token_type_ids"))
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def _plain_step(self, batches) -> tuple[dict, int]:
-        sums, finite_count, nonfinite = defaultdict(float), 0, 0
+    def _plain_step(self, batches, want_metrics: bool) -> dict:
+        """One optimizer step; its metrics (mean over micro-batches) only when ``want_metrics``: reading them
+        is a device sync, so only logging steps pay for it."""
+        sums, count = {}, 0
         for _ in range(self.grad_accum):
             batch = self._to_device(next(batches))
-            out = self.engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-            finite = torch.isfinite(out.loss.detach()).float()
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-            if finite.item():
-                self.engine.backward(out.loss)
-                for key, value in out.metrics().items():
-                    sums[key] += value
-                finite_count += 1
-            else:
+            out = self.engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], check=False)
+            self.guard.record(out.loss)
+            if self.guard.drops_nonfinite and not self._agreed_finite(out.loss):
                 # Drop this micro-batch: a zero loss that touches every parameter keeps DeepSpeed's
                 # gradient hooks in step, without back-propagating through non-finite activations.
                 self.engine.backward(sum(p.sum() * 0.0 for p in self.engine.module.parameters()))
-                nonfinite += 1
+            else:
+                self.engine.backward(out.loss)
+                if want_metrics:
+                    for key, value in out.metric_tensors().items():
+                        sums[key] = sums[key] + value if key in sums else value
+                    count += 1
             self.engine.step()
-        metrics = {k: v / max(finite_count, 1) for k, v in sums.items()}
-        return metrics, nonfinite
+        if not sums:
+            return {}
+        values = (torch.stack(list(sums.values())) / count).tolist()  # the step's one read of its metrics
+        return dict(zip(sums, values))
 
-    def _pipeline_step(self, batches) -> tuple[dict, int]:
+    def _agreed_finite(self, loss: torch.Tensor) -> bool:
+        finite = torch.isfinite(loss.detach()).float()
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        return bool(finite.item())
+
+    def _pipeline_step(self, batches, want_metrics: bool) -> dict:
         loss = self.engine.train_batch(data_iter=(pipeline_batch(self._to_device(b)) for b in batches))
-        metrics = pipeline_metrics(self.engine)
-        return metrics, 0 if math.isfinite(float(loss)) else 1
+        self.guard.record(loss)
+        return pipeline_metrics(self.engine) if want_metrics else {}
 
     def evaluate(self) -> dict | None:
         if self.valid_loader is None:
@@ -283,9 +289,10 @@ class Trainer:
             else:
                 for batch in self.valid_loader:
                     batch = self._to_device(batch)
-                    for key, value in self.engine(batch["input_ids"], batch["attention_mask"],
-                                                  batch["token_type_ids"]).metrics().items():
-                        sums[key] += value
+                    out = self.engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
+                                      check=False)
+                    for key, value in out.metric_tensors().items():
+                        sums[key] = sums[key] + value if key in sums else value
                     count += 1
                 sums, count = self._mean_over_ranks(sums, count), 1
         self.engine.train()
@@ -294,7 +301,10 @@ class Trainer:
     def _mean_over_ranks(self, sums: dict, count: int) -> dict:
         keys = sorted(sums)
         # On the rank's device: NCCL reduces CUDA tensors only (a CPU tensor fails the first eval on GPUs).
-        packed = torch.tensor([sums[k] for k in keys] + [float(count)], dtype=torch.float64, device=self.device)
+        packed = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.device)
+        if keys:
+            packed[:-1] = torch.stack([sums[k] for k in keys])
+        packed[-1] = count
         dist.all_reduce(packed)
         return {k: packed[i].item() / max(packed[-1].item(), 1) for i, k in enumerate(keys)}
 
@@ -325,39 +335,42 @@ class Trainer:
             self.probes.after_save(self.step, self.ckpt_dir / tag)
         return True
 
-    def train(self, preemption: Preemption) -> int:
+    def train(self, guard: StepGuard) -> int:
         try:
-            return self._train_steps(preemption)
+            return self._train_steps(guard)
         finally:  # every way out (done, preempted, an error): profiles written, TensorBoard flushed, W&B finished
             self.profiler.close()
             self.log.close()
 
-    def _train_steps(self, preemption: Preemption) -> int:
+    def _train_steps(self, guard: StepGuard) -> int:
         cfg, t = self.cfg, self.cfg.train
+        self.guard = guard
+        guard.start(self.device, t.nonfinite_check_interval, t.max_nonfinite_in_a_row,
+                    skips_nonfinite=self.precision == "fp16")
         batches = iter(self.train_loader)
-        nonfinite_in_a_row, saved_at = 0, self.step
+        saved_at, checked_at = self.step, self.step
         while self.step < t.steps:
             start = time.perf_counter()
             self.profiler.begin_step(self.step + 1)
-            metrics, nonfinite = (self._pipeline_step if self.pipelined else self._plain_step)(batches)
+            logging = (self.step + 1) % cfg.log.interval == 0 or self.step + 1 in (1, t.steps)
+            metrics = (self._pipeline_step if self.pipelined else self._plain_step)(batches, logging)
             self.step += 1
             self.profiler.end_step(self.step)
             elapsed = time.perf_counter() - start
             self.probes.poll()
-            self.nonfinite_total += nonfinite
-            nonfinite_in_a_row = nonfinite_in_a_row + 1 if nonfinite else 0
-            if nonfinite_in_a_row >= t.max_nonfinite_in_a_row:
-                raise TrainingError(
-                    f"{nonfinite_in_a_row} steps in a row had a non-finite loss (step {self.step}); stopping. "
-                    f"Resume from {self.ckpt_dir} with a lower train.lr, or train.precision=bf16 instead of fp16")
-            if self.step % cfg.log.interval == 0 or self.step == t.steps or self.step == 1:
+            interval_save = self.step % cfg.checkpoint.interval == 0 and self.step < t.steps
+            verdict = guard.end_step(self.step, before_save=interval_save or self.step == t.steps)
+            if verdict.checked:
+                self._stop_if_nonfinite(verdict, checked_at)
+                checked_at = self.step
+            if logging:
                 self._log_step(metrics, elapsed)
             if cfg.eval.interval and self.step % cfg.eval.interval == 0:
                 self._log_eval()
             # A failed save leaves saved_at behind: the next interval, or the run's last save, tries again.
-            if self.step % cfg.checkpoint.interval == 0 and self.step < t.steps and self.save():
+            if interval_save and self.save():
                 saved_at = self.step
-            if preemption.agreed(self.device):
+            if verdict.preempted:
                 if saved_at != self.step and not self.save(final=True):
                     return checkpoint.EXIT_NOT_SAVED
                 if self.is_logger:
@@ -372,6 +385,20 @@ class Trainer:
         if self.is_logger:
             self._print_summary()
         return 0 if saved else checkpoint.EXIT_NOT_SAVED
+
+    def _stop_if_nonfinite(self, verdict: Verdict, checked_at: int) -> None:
+        self.nonfinite_total += verdict.nonfinite
+        if not self.guard.must_stop(verdict):
+            return
+        fix = "with a lower train.lr, or train.precision=bf16 instead of fp16"
+        if self.guard.drops_nonfinite or self.guard.skips_nonfinite:
+            raise TrainingError(f"{verdict.worst_in_a_row} steps in a row had a non-finite loss (by step {self.step})"
+                                f"; stopping. Resume from {self.ckpt_dir} {fix}")
+        raise TrainingError(
+            f"{verdict.nonfinite} micro-batch(es) had a non-finite loss in steps {checked_at + 1}-{self.step} and "
+            f"{self.precision} does not skip their updates; stopping before any checkpoint holds them. Resume from "
+            f"{self.ckpt_dir} (its last checkpoint predates them) {fix} (train.nonfinite_check_interval=1 drops "
+            "such micro-batches instead, at a device sync each)")
 
     def _print_summary(self) -> None:
         samples = self.train_loader.consumed_samples  # this phase's, resumed runs included

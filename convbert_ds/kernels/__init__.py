@@ -2,12 +2,14 @@
 
 Same contract as ``convbert_ds.model.sdconv.dynamic_conv_reference``; the kernels
 live in ``sdconv_triton`` (their docstring has the maths, block layout and precision).
+They are registered as the custom ops ``convbert_ds::sdconv_forward`` and
+``convbert_ds::sdconv_backward`` (with fake implementations and an autograd formula),
+so ``torch.compile(fullgraph=True)`` keeps them in its graph as opaque calls.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from convbert_ds.kernels import sdconv_triton
 from convbert_ds.kernels.sdconv_triton import MAX_KERNEL_SIZE, SUPPORTED_DTYPES
@@ -15,22 +17,58 @@ from convbert_ds.kernels.sdconv_triton import MAX_KERNEL_SIZE, SUPPORTED_DTYPES
 __all__ = ["triton_dynamic_conv", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES"]
 
 
-class _DynamicConv(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, kernel_logits, values, value_mask, needs_grad):
-        out, lse = sdconv_triton.sdconv_forward(kernel_logits, values, value_mask, store_lse=needs_grad)
-        if needs_grad:
-            ctx.save_for_backward(kernel_logits, values, value_mask, lse)
-        return out
+@torch.library.custom_op("convbert_ds::sdconv_forward", mutates_args=())
+def sdconv_forward(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: torch.Tensor | None,
+                   store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out [B, T, n, d]`` in ``values.dtype`` and the fp32 ``lse [B, n, T]`` that backward needs (``[0]``
+    unless ``store_lse``); ``value_mask`` None or fp32 ``[B, T]``."""
+    return sdconv_triton.sdconv_forward(kernel_logits, values, value_mask, store_lse)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        kernel_logits, values, value_mask, lse = ctx.saved_tensors
-        grad_logits, grad_values = sdconv_triton.sdconv_backward(
-            grad_out, kernel_logits, values, value_mask, lse,
-            need_grad_logits=ctx.needs_input_grad[0], need_grad_values=ctx.needs_input_grad[1])
-        return grad_logits, grad_values, None, None
+
+@sdconv_forward.register_fake
+def _(kernel_logits, values, value_mask, store_lse):
+    batch, seq_len, heads, _ = kernel_logits.shape
+    lse_shape = (batch, heads, seq_len) if store_lse else (0,)
+    return values.new_empty(values.shape), values.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("convbert_ds::sdconv_backward", mutates_args=())
+def sdconv_backward(grad_out: torch.Tensor, kernel_logits: torch.Tensor, values: torch.Tensor,
+                    value_mask: torch.Tensor | None, lse: torch.Tensor, need_grad_logits: bool,
+                    need_grad_values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_logits, grad_values)``, contiguous in the dtypes of ``kernel_logits`` and ``values``; one not
+    asked for comes back empty (``[0]``), as a custom op cannot return None."""
+    grads = sdconv_triton.sdconv_backward(grad_out, kernel_logits, values, value_mask, lse,
+                                          need_grad_logits=need_grad_logits, need_grad_values=need_grad_values)
+    return tuple(_skipped_grad(like) if grad is None else grad for grad, like in zip(grads, (kernel_logits, values)))
+
+
+@sdconv_backward.register_fake
+def _(grad_out, kernel_logits, values, value_mask, lse, need_grad_logits, need_grad_values):
+    return tuple(like.new_empty(like.shape) if needed else _skipped_grad(like)
+                 for needed, like in ((need_grad_logits, kernel_logits), (need_grad_values, values)))
+
+
+def _skipped_grad(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,))
+
+
+def _setup_context(ctx, inputs, output):
+    kernel_logits, values, value_mask, _ = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(kernel_logits, values, value_mask, lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    kernel_logits, values, value_mask, lse = ctx.saved_tensors
+    need_logits, need_values = ctx.needs_input_grad[:2]
+    grad_logits, grad_values = sdconv_backward(grad_out, kernel_logits, values, value_mask, lse,
+                                               need_logits, need_values)
+    return (grad_logits if need_logits else None), (grad_values if need_values else None), None, None
+
+
+sdconv_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_dynamic_conv(kernel_logits: torch.Tensor, values: torch.Tensor,
@@ -48,9 +86,10 @@ def triton_dynamic_conv(kernel_logits: torch.Tensor, values: torch.Tensor,
     _check_inputs(kernel_logits, values, value_mask)
     if value_mask is not None:
         value_mask = value_mask.to(torch.float32)  # [B, T]: tiny, and keeps bool/int masks out of the kernels
-    # Decided here: inside Function.forward grad mode is always off.
-    needs_grad = torch.is_grad_enabled() and (kernel_logits.requires_grad or values.requires_grad)
-    return _DynamicConv.apply(kernel_logits, values, value_mask, needs_grad)
+    # The log-sum-exp is only stored for a backward (the op's autograd formula runs under the same test).
+    store_lse = torch.is_grad_enabled() and (kernel_logits.requires_grad or values.requires_grad)
+    out, _ = sdconv_forward(kernel_logits, values, value_mask, store_lse)
+    return out
 
 
 def _check_inputs(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: torch.Tensor | None) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 from convbert_ds.config import ModelConfig
 from convbert_ds.errors import UserError
 from convbert_ds.model import hf_io
-from convbert_ds.model.layers import ACTIVATIONS, ConvBertEmbeddings, ConvBertLayer, init_weights
+from convbert_ds.model.layers import ACTIVATIONS, ConvBertEmbeddings, ConvBertLayer, init_weights, padding_masks
 
 
 class InputError(UserError, ValueError):
@@ -106,11 +106,12 @@ class ConvBertModel(HFInterop, nn.Module):
         hidden = self.embeddings(input_ids, token_type_ids)
         if hasattr(self, "embeddings_project"):
             hidden = self.embeddings_project(hidden)
+        masks = padding_masks(attention_mask)  # once per body, not once per layer
         for layer in self.encoder.layer:
             if self.gradient_checkpointing and self.training:
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, attention_mask, use_reentrant=False)
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, masks, use_reentrant=False)
             else:
-                hidden = layer(hidden, attention_mask)
+                hidden = layer(hidden, masks)
         return hidden
 
 
@@ -177,8 +178,8 @@ class ConvBertForPreTraining(nn.Module):
         self.discriminator_predictions.apply(lambda m: init_weights(m, config.initializer_range))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.discriminator_predictions(self.convbert(input_ids, attention_mask, token_type_ids))
+                token_type_ids: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+        return self.discriminator_predictions(self.convbert(input_ids, attention_mask, token_type_ids, check))
 
 
 class ConvBertClassificationHead(nn.Module):

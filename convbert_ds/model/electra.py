@@ -23,6 +23,7 @@ Each step is a small function so the pipeline engine can place them on stages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +35,19 @@ from convbert_ds.model.convbert import ConvBertForMaskedLM, ConvBertForPreTraini
 IGNORE_INDEX = -100
 
 
+class Masking(NamedTuple):
+    """One draw of dynamic masking, in static shapes: ``P`` slots per sequence (``prediction_slots``), of which
+    ``chosen`` are masked positions and the rest weigh nothing."""
+
+    masked_ids: torch.Tensor  # [B, T] the generator's input
+    labels: torch.Tensor  # [B, T] the original token where masked, -100 elsewhere
+    positions: torch.Tensor  # [B, P] distinct positions of each sequence, the masked ones among them
+    chosen: torch.Tensor  # [B, P] bool: the position is masked
+
+
 def mask_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config: ElectraConfig,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic masking. Returns ``(masked_ids, mlm_labels)``; labels are ``-100`` where not masked.
+                generator: torch.Generator | None = None) -> Masking:
+    """Dynamic masking, without a host-device sync and in shapes that do not depend on the draw.
 
     Which positions: ``config.masking`` (see ``ElectraConfig``). Of those, ``mask_token_prob`` (85%) become
     [MASK] and the rest keep their token; none gets a random token (ELECTRA's and ConvBERT's code).
@@ -57,7 +68,19 @@ def mask_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, co
         use_mask_token = masked & (draw < config.mask_prob * config.mask_token_prob)
     masked_ids = torch.where(use_mask_token, torch.full_like(input_ids, config.mask_token_id), input_ids)
     labels = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-    return masked_ids, labels
+    return Masking(masked_ids, labels, *masked_positions(labels, config))
+
+
+def masked_positions(labels: torch.Tensor, config: ElectraConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLM labels ``[B, T]`` -> (``[B, P]`` positions, the masked ones first, in order; ``[B, P]`` bool: masked).
+
+    ``P = prediction_slots(config, T)``. A stable sort instead of ``nonzero``: no sync, a static shape, and
+    the same slots wherever the labels are (the pipeline recovers them from the labels it carries).
+    """
+    masked = labels != IGNORE_INDEX
+    slots = prediction_slots(config, labels.shape[1])
+    positions = torch.sort((~masked).to(torch.uint8), dim=1, stable=True).indices[:, :slots]
+    return positions, masked.gather(1, positions)
 
 
 def _fixed_count(can_mask: torch.Tensor, attention_mask: torch.Tensor | None, config: ElectraConfig,
@@ -80,6 +103,12 @@ def _fixed_count(can_mask: torch.Tensor, attention_mask: torch.Tensor | None, co
     return torch.zeros_like(can_mask).scatter_(1, chosen, keep)
 
 
+def prediction_slots(config: ElectraConfig, seq_len: int) -> int:
+    """``P``: how many positions per sequence the generator's head runs on: the "fixed" cap, or every position
+    for "bernoulli" (whose count has no bound)."""
+    return min(config.max_predictions(seq_len), seq_len) if config.masking == "fixed" else seq_len
+
+
 def gumbel_sample(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """One token per row from softmax(logits / temperature), via the Gumbel-max trick; no gradient."""
     with torch.no_grad():
@@ -88,57 +117,80 @@ def gumbel_sample(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
         return (logits.float() / temperature + gumbel).argmax(dim=-1)
 
 
+METRIC_NAMES = ("loss", "mlm_loss", "rtd_loss", "mlm_accuracy", "rtd_accuracy", "rtd_auc", "replaced_fraction")
+
+
 @dataclass
 class PretrainingOutput:
-    """Losses are differentiable tensors; the rest are detached scalars for logging.
+    """``loss`` is differentiable; the rest is detached and stays on the device.
 
-    ``replaced_fraction`` is the share of real tokens the generator replaced, so
-    ``1 - replaced_fraction`` is the accuracy of a discriminator that always answers "original";
-    ``rtd_auc`` (0.5 = no skill) shows learning even while accuracy sits at that baseline.
+    ``metric_tensors()`` turns it into the logged metrics (``METRIC_NAMES``) without reading anything back to
+    the host, and only when asked: the trainer asks on logging steps. ``replaced_fraction`` is the share of
+    real tokens the generator replaced, so ``1 - replaced_fraction`` is the accuracy of a discriminator that
+    always answers "original"; ``rtd_auc`` (0.5 = no skill) shows learning even while accuracy sits there.
     """
 
     loss: torch.Tensor
     mlm_loss: torch.Tensor
-    rtd_loss: torch.Tensor | None
     mlm_accuracy: torch.Tensor
-    rtd_accuracy: torch.Tensor | None
-    rtd_auc: torch.Tensor | None
-    replaced_fraction: torch.Tensor | None
+    rtd_loss: torch.Tensor | None = None
+    rtd_accuracy: torch.Tensor | None = None
+    rtd_logits: torch.Tensor | None = None  # [B, T]
+    is_replaced: torch.Tensor | None = None  # [B, T] bool
+    real: torch.Tensor | None = None  # [B, T] bool: not padding
+
+    def metric_tensors(self) -> dict[str, torch.Tensor]:
+        metrics = {"loss": self.loss.detach(), "mlm_loss": self.mlm_loss, "mlm_accuracy": self.mlm_accuracy}
+        if self.rtd_logits is not None:
+            weight = self.real.float()
+            metrics.update(rtd_loss=self.rtd_loss, rtd_accuracy=self.rtd_accuracy,
+                           rtd_auc=binary_auc(self.rtd_logits, self.is_replaced, weight),
+                           replaced_fraction=(self.is_replaced.float() * weight).sum() / weight.sum().clamp_min(1))
+        return {name: metrics[name].float() for name in METRIC_NAMES if name in metrics}
 
     def metrics(self) -> dict[str, float]:
-        return {k: float(v.detach()) for k, v in vars(self).items() if v is not None}
+        metrics = self.metric_tensors()
+        return dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))
 
 
-def mlm_loss_and_sample(generator: ConvBertForMaskedLM, hidden: torch.Tensor, labels: torch.Tensor,
-                        temperature: float, sample: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """MLM loss and accuracy over masked positions only (the LM head runs on those alone, saving
-    ``V x`` work at the other 85%), and optionally a Gumbel sample per masked position."""
-    positions = labels != IGNORE_INDEX
-    targets = labels[positions]
-    logits = generator.head(hidden[positions])  # [M, V]
-    count = max(int(targets.numel()), 1)
-    loss = F.cross_entropy(logits.float(), targets, reduction="sum") / count
-    accuracy = (logits.detach().argmax(-1) == targets).float().sum() / count
+def mlm_loss_and_sample(generator: ConvBertForMaskedLM, hidden: torch.Tensor, input_ids: torch.Tensor,
+                        positions: torch.Tensor, chosen: torch.Tensor, temperature: float, sample: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """MLM loss and accuracy over the masked positions, and optionally a Gumbel sample per position.
+
+    The LM head runs on the ``P`` gathered positions only (``V x`` less work than on every token); the
+    unchosen ones among them weigh nothing. Shapes are static and nothing is read back to the host.
+    Returns the loss, the accuracy and the samples ``[B, P]`` (or None).
+    """
+    picked = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, P, H]
+    logits = generator.head(picked)  # [B, P, V]
+    targets = input_ids.gather(1, positions)
+    weight = chosen.float()
+    count = weight.sum().clamp_min(1)
+    per_position = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    loss = (per_position * weight.flatten()).sum() / count
+    accuracy = ((logits.detach().argmax(-1) == targets).float() * weight).sum() / count
     sampled = gumbel_sample(logits.detach(), temperature) if sample else None
     return loss, accuracy, sampled
 
 
-def binary_auc(scores: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
-    """Area under the ROC curve (Mann-Whitney U; ties count as half); 0.5 when a class is empty."""
-    scores, positive = scores.detach().float().flatten(), positive.flatten()
-    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
-    if n_pos == 0 or n_neg == 0:
-        return torch.tensor(0.5, device=scores.device)
-    order = torch.argsort(scores)
-    ranks = torch.empty_like(scores)
-    ranks[order] = torch.arange(1, scores.numel() + 1, device=scores.device, dtype=scores.dtype)
-    # Average the ranks of tied scores.
-    unique, inverse = torch.unique(scores, return_inverse=True)
-    if unique.numel() < scores.numel():
-        sums = torch.zeros_like(unique).index_add_(0, inverse, ranks)
-        counts = torch.zeros_like(unique).index_add_(0, inverse, torch.ones_like(ranks))
-        ranks = (sums / counts)[inverse]
-    return (ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+def binary_auc(scores: torch.Tensor, positive: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Area under the ROC curve (Mann-Whitney U; ties count as half) over the entries with ``weight`` 1
+    (all when None); 0.5 when a class is empty. No host-device sync: ranks come from a sort and
+    ``searchsorted`` (a tied group's average rank = those below it + (its size + 1) / 2)."""
+    # NaN would sort past every number and index past the end: a diverged model's AUC is a number, not a crash.
+    scores, positive = torch.nan_to_num(scores.detach().float().flatten()), positive.flatten().float()
+    weight = torch.ones_like(scores) if weight is None else weight.flatten().float()
+    ordered, order = torch.sort(scores)
+    below_or_equal = torch.cumsum(weight[order], 0)  # counted entries <= ordered[i]
+    below = below_or_equal - weight[order]
+    first = torch.searchsorted(ordered, scores, right=False)  # the first of each score's tied group
+    last = torch.searchsorted(ordered, scores, right=True) - 1
+    ranks = (below[first] + below_or_equal[last] + 1) / 2
+    n_pos = (positive * weight).sum()
+    n_neg = weight.sum() - n_pos
+    u = (ranks * positive * weight).sum() - n_pos * (n_pos + 1) / 2
+    return torch.where(n_pos * n_neg > 0, u / (n_pos * n_neg).clamp_min(1), torch.full_like(u, 0.5))
 
 
 def rtd_loss(logits: torch.Tensor, is_replaced: torch.Tensor, attention_mask: torch.Tensor | None
@@ -159,10 +211,8 @@ def electra_output(mlm: torch.Tensor, mlm_accuracy: torch.Tensor, rtd_logits: to
     and the discriminator's logits; shared by the plain model and the pipeline's last stage."""
     rtd, rtd_acc = rtd_loss(rtd_logits, is_replaced, attention_mask)
     real = torch.ones_like(is_replaced) if attention_mask is None else attention_mask.bool()
-    replaced_fraction = is_replaced[real].float().mean()
-    auc = binary_auc(rtd_logits[real], is_replaced[real])
-    return PretrainingOutput(mlm + rtd_weight * rtd, mlm.detach(), rtd.detach(), mlm_accuracy, rtd_acc, auc,
-                             replaced_fraction)
+    return PretrainingOutput(mlm + rtd_weight * rtd, mlm.detach(), mlm_accuracy.detach(), rtd.detach(),
+                             rtd_acc.detach(), rtd_logits.detach(), is_replaced, real)
 
 
 class ElectraForPretraining(nn.Module):
@@ -180,23 +230,28 @@ class ElectraForPretraining(nn.Module):
             self.generator = ConvBertForMaskedLM(config.generator, self.discriminator.convbert.embeddings, shared_body)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> PretrainingOutput:
+                token_type_ids: torch.Tensor | None = None, check: bool = True) -> PretrainingOutput:
+        """``check=False``: the caller has checked these inputs (the trainer checks each batch on the host,
+        where reading its values costs no device sync); the step then never waits for the device."""
         config = self.config
-        check_inputs(config.discriminator, input_ids, attention_mask, token_type_ids)
-        masked_ids, labels = mask_tokens(input_ids, attention_mask, config)
-        hidden = self.generator.convbert(masked_ids, attention_mask, token_type_ids, check=False)
-        mlm, mlm_acc, sampled = mlm_loss_and_sample(self.generator, hidden, labels, config.temperature,
+        if check:
+            check_inputs(config.discriminator, input_ids, attention_mask, token_type_ids)
+        masking = mask_tokens(input_ids, attention_mask, config)
+        hidden = self.generator.convbert(masking.masked_ids, attention_mask, token_type_ids, check=False)
+        mlm, mlm_acc, sampled = mlm_loss_and_sample(self.generator, hidden, input_ids, masking.positions,
+                                                    masking.chosen, config.temperature,
                                                     sample=self.discriminator is not None)
         if self.discriminator is None:
-            return PretrainingOutput(mlm, mlm.detach(), None, mlm_acc, None, None, None)
-        corrupted, is_replaced = corrupt(input_ids, labels, sampled)
-        rtd_logits = self.discriminator(corrupted, attention_mask, token_type_ids)
+            return PretrainingOutput(mlm, mlm.detach(), mlm_acc)
+        corrupted, is_replaced = corrupt(input_ids, masking.positions, masking.chosen, sampled)
+        rtd_logits = self.discriminator(corrupted, attention_mask, token_type_ids, check=False)
         return electra_output(mlm, mlm_acc, rtd_logits, is_replaced, attention_mask, config.rtd_weight)
 
 
-def corrupt(input_ids: torch.Tensor, labels: torch.Tensor, sampled: torch.Tensor
+def corrupt(input_ids: torch.Tensor, positions: torch.Tensor, chosen: torch.Tensor, sampled: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Put the generator's samples at the masked positions; replaced = the sample differs from the original."""
-    corrupted = input_ids.clone()
-    corrupted[labels != IGNORE_INDEX] = sampled.to(input_ids.dtype)
+    """Put the generator's samples ``[B, P]`` at the chosen positions (a scatter: no sync); replaced = the
+    sample differs from the original."""
+    at_positions = input_ids.gather(1, positions)
+    corrupted = input_ids.scatter(1, positions, torch.where(chosen, sampled.to(input_ids.dtype), at_positions))
     return corrupted, corrupted != input_ids

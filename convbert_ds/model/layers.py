@@ -9,6 +9,8 @@ same function, written for speed: self-attention goes through
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,19 @@ ACTIVATIONS = {  # config.hidden_act -> function
     "silu": F.silu,
     "tanh": torch.tanh,
 }
+
+
+class PaddingMasks(NamedTuple):
+    """A body's padding mask in the two forms its layers use, built once per forward, not once per layer."""
+
+    tokens: torch.Tensor  # [B, T], 1 = token, 0 = padding (the SDConv value mask)
+    attention: torch.Tensor  # [B, 1, 1, T] bool (scaled_dot_product_attention's mask)
+
+
+def padding_masks(attention_mask: torch.Tensor | PaddingMasks | None) -> PaddingMasks | None:
+    if attention_mask is None or isinstance(attention_mask, PaddingMasks):
+        return attention_mask
+    return PaddingMasks(attention_mask, attention_mask[:, None, None, :].bool())
 
 
 class ConvBertEmbeddings(nn.Module):
@@ -99,11 +114,14 @@ class ConvBertSelfAttention(nn.Module):
         batch, seq_len, _ = x.shape
         return x.view(batch, seq_len, self.num_heads, self.head_dim)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``hidden_states`` ``[B, T, H]``; ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding) or None."""
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | PaddingMasks | None = None
+                ) -> torch.Tensor:
+        """``hidden_states`` ``[B, T, H]``; ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding), its
+        ``PaddingMasks``, or None."""
         batch, seq_len, _ = hidden_states.shape
         query = self.query(hidden_states)
-        sdpa_mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        masks = padding_masks(attention_mask)
+        sdpa_mask = None if masks is None else masks.attention
         context = F.scaled_dot_product_attention(
             self._heads(query).transpose(1, 2),
             self._heads(self.key(hidden_states)).transpose(1, 2),
@@ -121,7 +139,7 @@ class ConvBertSelfAttention(nn.Module):
             kernel_input = query * self.key_conv_attn_layer(hidden_states) if conv_type == "sdconv" else query
             kernel_logits = self.conv_kernel_layer(kernel_input).view(batch, seq_len, self.num_heads,
                                                                       self.kernel_size)
-            value_mask = attention_mask if self.config.sdconv_mask_padding else None
+            value_mask = masks.tokens if self.config.sdconv_mask_padding and masks is not None else None
             conv = dynamic_conv(kernel_logits, self._heads(self.conv_out_layer(hidden_states)), value_mask,
                                 impl=self.config.sdconv_impl).reshape(batch, seq_len, -1)
         return torch.cat([context, conv], dim=-1)
@@ -147,7 +165,8 @@ class ConvBertAttention(nn.Module):
         self.self = ConvBertSelfAttention(config)
         self.output = ConvBertSelfOutput(config)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | PaddingMasks | None = None
+                ) -> torch.Tensor:
         return self.output(self.self(hidden_states, attention_mask), hidden_states)
 
 
@@ -200,7 +219,8 @@ class ConvBertLayer(nn.Module):
         self.intermediate = ConvBertIntermediate(config)
         self.output = ConvBertOutput(config)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | PaddingMasks | None = None
+                ) -> torch.Tensor:
         attention_output = self.attention(hidden_states, attention_mask)
         return self.output(self.intermediate(attention_output), attention_output)
 
@@ -234,14 +254,30 @@ def compile_layers(model: nn.Module) -> int:
     Masking, Gumbel sampling and the losses stay eager: their data-dependent shapes (the masked
     positions) would recompile or break the graph every step. Shapes are static: batches are fixed-size.
     """
-    # Dropout draws from torch's own generator, as in eager: the same masks, so a compiled run follows the
-    # eager one (to rounding), and switching compile on or off at a resume keeps the random stream.
-    import torch._inductor.config as inductor_config  # here: importing inductor costs a second that eager runs skip
-    inductor_config.fallback_random = True
+    _eager_random_stream()
     layers = [module for module in model.modules() if isinstance(module, ConvBertLayer)]
     for layer in layers:
         layer.compile(dynamic=False)
     return len(layers)
+
+
+def compile_step(model: nn.Module, cuda: bool) -> None:
+    """Put the whole forward of ``model`` (the ELECTRA step: masking, both bodies, sampling, losses) through
+    ``torch.compile`` as one graph, in place: ``fullgraph=True``, so a graph break is an error, not a silent
+    return of the host to the loop; its backward is compiled with it (AOTAutograd). On CUDA the graphs are
+    replayed as CUDA graphs (``mode="reduce-overhead"``): one launch instead of thousands. The step may
+    take this shape because nothing in it reads the device (static masking, no ``.item()``, inputs checked
+    on the host) and batches have one shape. Call it with ``check=False``."""
+    _eager_random_stream()
+    model.compile(fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda else None)
+
+
+def _eager_random_stream() -> None:
+    # Dropout, masking and Gumbel noise draw from torch's own generator, as in eager: the same draws, so a
+    # compiled run follows the eager one (to rounding), and switching compile on or off at a resume keeps
+    # the random stream.
+    import torch._inductor.config as inductor_config  # here: importing inductor costs a second that eager runs skip
+    inductor_config.fallback_random = True
 
 
 def compiled_graph_count() -> int:

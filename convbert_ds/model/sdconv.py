@@ -18,6 +18,13 @@ a small input of each dtype it meets and checks them against the reference: a
 GPU or Triton/driver combination they fail on (compile, launch or wrong numbers)
 gets the reference, with a one-line warning naming the reason, instead of a
 crashed run. ``"triton"`` asked for by name is never replaced.
+
+Under ``torch.compile``: both paths trace without a graph break (the Triton
+kernels are custom ops). The probe itself cannot be traced, so ``"auto"`` on
+CUDA only stays in one graph for layouts already probed: run
+``probe_sdconv(model, device, dtype)`` eagerly before compiling. A layout met
+unprobed while compiling is probed behind a graph break (an error under
+``fullgraph=True``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from convbert_ds.config import SDCONV_IMPLS
+from convbert_ds.config import SDCONV_IMPLS, ModelConfig
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -174,11 +181,43 @@ def dynamic_conv(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: 
                  impl: str = "auto") -> torch.Tensor:
     """Dynamic convolution through the chosen implementation (see module docstring)."""
     chosen = resolve_impl(impl, values.device)
-    if chosen == "triton" and impl == "auto" and triton_unusable_reason(
-            values.device, kernel_logits.dtype, values.dtype, kernel_logits.shape[-1], values.shape[-1]) is not None:
-        chosen = "torch"
+    if chosen == "triton" and impl == "auto":
+        key = (values.device, kernel_logits.dtype, values.dtype, kernel_logits.shape[-1], values.shape[-1])
+        # Read the cache here: torch.compile traces a dict lookup, while triton_unusable_reason is a graph break.
+        reason = _TRITON_PROBED[key] if key in _TRITON_PROBED else triton_unusable_reason(*key)
+        if reason is not None:
+            chosen = "torch"
     if chosen == "triton":
         # Here, not at the top: triton is slow to import, and CPU runs never need it.
         from convbert_ds.kernels import triton_dynamic_conv
         return triton_dynamic_conv(kernel_logits, values, value_mask)
     return dynamic_conv_reference(kernel_logits, values, value_mask)
+
+
+def probe_sdconv(model: torch.nn.Module | ModelConfig, device: torch.device | str,
+                 dtype: torch.dtype) -> dict[tuple, str | None]:
+    """Probe the Triton kernels, eagerly, for every conv layout of ``model`` that ``"auto"`` sends to them.
+
+    Call it before ``torch.compile`` so that ``dynamic_conv`` reads the results from the cache instead of
+    probing (a graph break) inside the compiled graph. Calling it again is cheap: results are cached.
+
+    Args:
+        model: a module (every ``ModelConfig`` found on its submodules counts: generator and
+            discriminator may differ in kernel or head size) or one ``ModelConfig``.
+        device: where the model runs; a CUDA device without an index means the current one.
+        dtype: the dtype the conv heads compute in: the autocast dtype under autocast, else the
+            parameters' dtype. Call once per dtype when several are used (e.g. training and evaluation).
+    Returns:
+        ``(device, logits dtype, values dtype, K, head size) -> reason`` for each layout probed (None: the
+        kernels are used); empty where ``"auto"`` does not pick Triton (CPU, or another ``sdconv_impl``).
+    """
+    device = torch.empty(0, device=device).device  # the index CUDA tensors carry, so the keys match theirs
+    if isinstance(model, ModelConfig):
+        configs = [model]
+    else:
+        configs = [getattr(module, "config", None) for module in model.modules()]
+    layouts = {(config.conv_kernel_size, config.head_dim) for config in configs
+               if isinstance(config, ModelConfig) and config.conv_type in ("sdconv", "dynamic")
+               and config.sdconv_impl == "auto" and resolve_impl("auto", device) == "triton"}
+    keys = [(device, dtype, dtype, kernel_size, head_dim) for kernel_size, head_dim in sorted(layouts)]
+    return {key: triton_unusable_reason(*key) for key in keys}

@@ -108,6 +108,25 @@ def test_kill_during_save_resumes_from_previous_checkpoint(tiny_corpus, tmp_path
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step")) == ["step00000008", "step00000012"]
 
 
+@pytest.mark.parametrize("check_interval", [4, 1])
+def test_nonfinite_losses_stop_the_run_before_a_checkpoint_holds_them(check_interval, tiny_corpus, tmp_path):
+    """A learning rate of 1e30 makes the losses non-finite after the first real update. Read every 4 steps
+    (the GPU is not stalled in between), fp32 skips nothing, so the first check stops the run, before the
+    save it precedes; read every micro-batch (interval 1), bad micro-batches are dropped (the weights stay
+    finite, so checkpoints may be saved) and 3 in a row stop it."""
+    result = run_training(tmp_path, tiny_corpus["shards"], "train.precision=fp32", "train.lr=1.0e+30",
+                          "train.warmup_steps=0", "train.steps=20", "checkpoint.interval=4", "eval.interval=0",
+                          f"train.nonfinite_check_interval={check_interval}", "train.max_nonfinite_in_a_row=3")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    if check_interval == 1:
+        assert "3 steps in a row had a non-finite loss" in output, output[-3000:]
+    else:
+        assert re.search(r"had a non-finite loss in steps 1-4 and fp32 does not skip their updates", output), \
+            output[-3000:]
+        assert not list((tmp_path / "checkpoints").glob("step*")), "no checkpoint holds non-finite weights"
+
+
 def test_torchrun_launches_the_same_trainer(tiny_corpus, tmp_path):
     output = check(run_training(tmp_path, tiny_corpus["shards"], "train.steps=3", "eval.interval=0",
                                 launcher="torchrun"))
@@ -131,6 +150,11 @@ def test_torchrun_launches_the_same_trainer(tiny_corpus, tmp_path):
     (["model.tie_generator_body=true", "model.generator_multiplier=0.5"], "use generator_multiplier 1.0"),
     (["model.tie_generator_body=true", "pipeline.stages=2", "deepspeed.config=ds_configs/pipeline_zero1_bf16.json"],
      "not supported with pipeline.stages > 1"),
+    (["train.compile=true", "train.compile_mode=step", "pipeline.stages=2",
+      "deepspeed.config=ds_configs/pipeline_zero1_bf16.json"], "train.compile_mode=step with pipeline.stages=2"),
+    (["train.compile=true", "train.compile_mode=step", "deepspeed.config=ds_configs/zero3_bf16.json"],
+     "train.compile_mode=step with zero_optimization.stage=3"),
+    (["train.compile_mode=graph"], "train.compile_mode='graph'"),
 ])
 def test_invalid_configs_are_rejected_before_any_rank_starts(overrides, message, tiny_corpus):
     with pytest.raises((ConfigError, ValueError), match=__import__("re").escape(message)):

@@ -5,7 +5,7 @@ import torch
 
 from convbert_ds.config import ConfigError, ElectraConfig, ModelConfig, generator_config
 from convbert_ds.model import ElectraForPretraining
-from convbert_ds.model.electra import IGNORE_INDEX, corrupt, gumbel_sample, mask_tokens
+from convbert_ds.model.electra import IGNORE_INDEX, binary_auc, corrupt, gumbel_sample, mask_tokens
 
 SPECIALS = (0, 2, 3)
 
@@ -25,8 +25,11 @@ def test_masking_rates_and_specials(masking):
     attention_mask = torch.ones_like(input_ids)
     attention_mask[:, 50:] = 0
     input_ids[:, 50:] = 0
-    masked_ids, labels = mask_tokens(input_ids, attention_mask, config, generator=gen)
+    masked_ids, labels, positions, chosen = mask_tokens(input_ids, attention_mask, config, generator=gen)
     masked = labels != IGNORE_INDEX
+    # The static form the step uses: P slots per row, the masked positions among them, nothing else.
+    assert positions.shape == chosen.shape == (64, 9 if masking == "fixed" else 60)
+    assert torch.equal(torch.zeros_like(masked).scatter_(1, positions, chosen), masked)
     eligible = attention_mask.bool() & ~torch.isin(input_ids, torch.tensor(SPECIALS))
     assert not (masked & ~eligible).any(), "specials and padding are never masked"
     if masking == "fixed":  # 50 real tokens: round(7.5) = 8 (half to even), under the cap int(0.155 x 60) = 9
@@ -55,7 +58,7 @@ def test_fixed_masking_count_per_sequence_is_the_official_formula(seq_len, cap):
     input_ids = torch.randint(5, 200, (batch, seq_len), generator=gen) * attention_mask
     input_ids[:, 0] = 2
     input_ids[torch.arange(batch), real - 1] = 3
-    _, labels = mask_tokens(input_ids, attention_mask, config, generator=gen)
+    labels = mask_tokens(input_ids, attention_mask, config, generator=gen).labels
     masked = labels != IGNORE_INDEX
     maskable = (real - 2).clamp(min=0)
     k = [max(1, min(config.max_predictions(seq_len), round(0.15 * n))) for n in real.tolist()]  # half to even
@@ -79,10 +82,24 @@ def test_gumbel_sampling_follows_the_softmax_without_gradient():
 
 def test_rtd_label_only_where_the_sample_differs():
     input_ids = torch.tensor([[2, 10, 11, 12, 3]])
-    labels = torch.tensor([[IGNORE_INDEX, 10, IGNORE_INDEX, 12, IGNORE_INDEX]])
-    corrupted, is_replaced = corrupt(input_ids, labels, torch.tensor([10, 40]))
-    assert corrupted.tolist() == [[2, 10, 11, 40, 3]]
+    positions, chosen = torch.tensor([[1, 3, 2]]), torch.tensor([[True, True, False]])
+    corrupted, is_replaced = corrupt(input_ids, positions, chosen, torch.tensor([[10, 40, 99]]))
+    assert corrupted.tolist() == [[2, 10, 11, 40, 3]], "an unchosen slot changes nothing"
     assert is_replaced.tolist() == [[False, False, False, True, False]]
+
+
+def test_auc_without_sync_matches_the_rank_formula():
+    """binary_auc sorts instead of reading counts on the host; against a direct pairwise count with ties
+    and excluded (weight 0) entries."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (300,), generator=gen).float()  # many ties
+    positive = torch.rand(300, generator=gen) < 0.3
+    weight = (torch.rand(300, generator=gen) < 0.8).float()
+    keep = weight.bool()
+    pos, neg = scores[keep & positive], scores[keep & ~positive]
+    pairs = (pos[:, None] > neg[None, :]).float() + 0.5 * (pos[:, None] == neg[None, :]).float()
+    assert binary_auc(scores, positive, weight).item() == pytest.approx(pairs.mean().item(), abs=1e-6)
+    assert binary_auc(scores, torch.zeros(300, dtype=torch.bool)).item() == 0.5
 
 
 def test_generator_shares_the_embedding_tables():

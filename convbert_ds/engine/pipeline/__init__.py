@@ -7,7 +7,7 @@ random stream its loss and metrics are the plain model's (``tests/engine/test_pi
 Layers (ELECTRA; the indices of the ``tiny`` preset, whose bodies have 2 layers and need projections):
 
 ==  ===========================================  ==================================================
- 0  MaskingLayer: check_inputs, mask_tokens       -
+ 0  MaskingLayer: mask_tokens                     -
  1  shared embeddings of the masked tokens        ``discriminator.convbert.embeddings.``
  2  generator embeddings_project (if E != H)      ``generator.convbert.embeddings_project.``
  3  generator ConvBertLayer 0, 1, ...             ``generator.convbert.encoder.layer.{i}.``

@@ -29,12 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from convbert_ds.config import ElectraConfig, ModelConfig
-from convbert_ds.model.convbert import (
-    ConvBertDiscriminatorPredictions,
-    ConvBertGeneratorPredictions,
-    check_inputs,
-)
-from convbert_ds.model.electra import IGNORE_INDEX, corrupt, mask_tokens, mlm_loss_and_sample
+from convbert_ds.model.convbert import ConvBertDiscriminatorPredictions, ConvBertGeneratorPredictions
+from convbert_ds.model.electra import corrupt, mask_tokens, masked_positions, mlm_loss_and_sample
 from convbert_ds.model.layers import ConvBertEmbeddings, ConvBertLayer, init_weights
 
 
@@ -147,7 +143,8 @@ def _bert_init(module: nn.Module, config: ModelConfig) -> None:
 
 
 class MaskingLayer(nn.Module):
-    """First layer: checks the inputs and masks them, as ``ElectraForPretraining.forward`` does.
+    """First layer: masks the inputs, as ``ElectraForPretraining.forward`` does (the trainer has checked them
+    on the host).
 
     Each micro-batch gets its own random stream, a generator seeded by ``draw_stream_seed`` (from
     ``seed``'s generator if given, else from torch's global RNG). Only the seed travels: the sampling
@@ -162,10 +159,9 @@ class MaskingLayer(nn.Module):
 
     def forward(self, inputs) -> tuple:
         input_ids, attention_mask, token_type_ids = inputs
-        check_inputs(self.config.discriminator, input_ids, attention_mask, token_type_ids)
         seed = draw_stream_seed(self.seed_generator)
         stream = torch.Generator(device=input_ids.device).manual_seed(seed)
-        masked_ids, labels = mask_tokens(input_ids, attention_mask, self.config, generator=stream)
+        masked_ids, labels, _, _ = mask_tokens(input_ids, attention_mask, self.config, generator=stream)
         return to_pipe(Masked(input_ids, masked_ids, attention_mask, token_type_ids, labels,
                               torch.full_like(input_ids, seed)))
 
@@ -218,8 +214,9 @@ class GeneratorHead(nn.Module):
     """The generator's own head parameters, named as in ``ConvBertForMaskedLM``: the MLM transform and the
     output bias. The output matrix is the shared word-embedding table, applied by the next layer."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, electra: ElectraConfig):
         super().__init__()
+        self.electra = electra
         self.generator_predictions = ConvBertGeneratorPredictions(config)
         self.generator_lm_head = nn.Module()
         self.generator_lm_head.bias = nn.Parameter(torch.zeros(config.vocab_size))
@@ -227,11 +224,12 @@ class GeneratorHead(nn.Module):
 
     def forward(self, inputs) -> tuple:
         s = from_pipe(GeneratorHidden, inputs)
-        # Only masked positions are transformed (as in the plain model), scattered back into a fixed shape.
-        positions = s.mlm_labels != IGNORE_INDEX
-        hidden = s.hidden[positions]
-        transformed = hidden.new_zeros(*s.hidden.shape[:2], self.generator_predictions.dense.out_features)
-        transformed[positions] = self.generator_predictions(hidden)
+        # Only the masked positions' slots are transformed (as in the plain model), scattered back into [B, T, E].
+        positions, _ = masked_positions(s.mlm_labels, self.electra)
+        hidden = s.hidden.gather(1, positions[..., None].expand(-1, -1, s.hidden.shape[-1]))
+        picked = self.generator_predictions(hidden)
+        transformed = picked.new_zeros(*s.hidden.shape[:2], picked.shape[-1])
+        transformed = transformed.scatter(1, positions[..., None].expand_as(picked), picked)
         # An op's output rather than the parameter, so that a send across stages backpropagates into it.
         lm_bias = self.generator_lm_head.bias * 1
         return to_pipe(GeneratorTransformed(transformed, lm_bias, s.input_ids, s.attention_mask, s.token_type_ids,
@@ -248,13 +246,14 @@ def generator_output_forward(embeddings: SharedEmbeddings, inputs, config: Elect
     # The ``head`` that mlm_loss_and_sample calls: transformed hidden states -> logits over the shared table.
     table = embeddings.word_embeddings.weight
     tied_output = SimpleNamespace(head=lambda transformed: F.linear(transformed, table, s.lm_bias))
+    positions, chosen = masked_positions(s.mlm_labels, config)
     with _global_rng_at(stream):
-        mlm, accuracy, sampled = mlm_loss_and_sample(tied_output, s.transformed, s.mlm_labels, config.temperature,
-                                                     sample=electra)
+        mlm, accuracy, sampled = mlm_loss_and_sample(tied_output, s.transformed, s.input_ids, positions, chosen,
+                                                     config.temperature, sample=electra)
     accuracy_bits = float_row(accuracy, s.input_ids)
     if not electra:
         return to_pipe(MaskedLMOutput(mlm, accuracy_bits))
-    corrupted, is_replaced = corrupt(s.input_ids, s.mlm_labels, sampled)
+    corrupted, is_replaced = corrupt(s.input_ids, positions, chosen, sampled)
     hidden = ConvBertEmbeddings.forward(embeddings, corrupted, s.token_type_ids)
     return to_pipe(DiscriminatorHidden(hidden, mlm.to(hidden.dtype), is_replaced.long(), s.attention_mask,
                                        float_row(mlm, s.input_ids), accuracy_bits))

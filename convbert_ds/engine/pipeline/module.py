@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from functools import partial
 
@@ -13,6 +12,7 @@ from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentra
 from torch import nn
 
 from convbert_ds.config import ConfigError, ElectraConfig
+from convbert_ds.model.electra import METRIC_NAMES as ELECTRA_METRIC_NAMES
 from convbert_ds.model.electra import PretrainingOutput, electra_output
 from convbert_ds.engine.pipeline.layers import (
     MAX_INT_FIELDS,
@@ -34,7 +34,7 @@ EMBEDDINGS_KEY = "embeddings"
 _EMBEDDING_PARAMS = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
                      "LayerNorm.weight", "LayerNorm.bias")
 METRIC_NAMES = {
-    "electra": tuple(f.name for f in dataclasses.fields(PretrainingOutput)),
+    "electra": ELECTRA_METRIC_NAMES,
     "mlm": ("loss", "mlm_loss", "mlm_accuracy"),
 }
 
@@ -62,7 +62,7 @@ def _layer_plan(config: ElectraConfig, seed: int | None = None) -> list[tuple[La
 
     plan = [(LayerSpec(MaskingLayer, config, seed), None), (shared(), shared_prefix)]
     plan += body("generator.convbert.", gen, GeneratorHidden)
-    plan += [(LayerSpec(GeneratorHead, gen), "generator."),
+    plan += [(LayerSpec(GeneratorHead, gen, config), "generator."),
              (shared(partial(generator_output_forward, config=config)), None)]
     if electra:
         plan += body("discriminator.convbert.", disc, DiscriminatorHidden)
@@ -90,15 +90,14 @@ class ElectraPipelineLoss:
     def __call__(self, outputs, labels) -> torch.Tensor:
         if self.config.objective == "mlm":
             s = from_pipe(MaskedLMOutput, outputs)
-            out = PretrainingOutput(s.mlm_loss, s.mlm_loss.detach(), None, row_float(s.mlm_accuracy_bits), None,
-                                    None, None)
+            out = PretrainingOutput(s.mlm_loss, s.mlm_loss.detach(), row_float(s.mlm_accuracy_bits))
         else:
             s = from_pipe(DiscriminatorHidden, outputs)
             # The value of the exact float32 loss, the gradient of the copy in the model's dtype.
             mlm = s.mlm_loss.float() + (row_float(s.mlm_loss_bits) - s.mlm_loss.detach().float())
             out = electra_output(mlm, row_float(s.mlm_accuracy_bits), s.hidden, s.is_replaced.bool(),
                                  s.attention_mask, self.config.rtd_weight)
-        self.records.append(torch.stack([getattr(out, name).detach().float() for name in self.names]))
+        self.records.append(torch.stack(list(out.metric_tensors().values())))
         return out.loss
 
 

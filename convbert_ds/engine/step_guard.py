@@ -1,0 +1,104 @@
+"""What the host must learn between steps, learnt without stalling the accelerator every step.
+
+Two things can stop a training loop: a preemption signal (SIGUSR1/SIGTERM, on any rank) and losses that
+are no longer finite. Reading either from a device tensor every step (``.item()`` after an all-reduce)
+makes the host wait for the whole step to finish before it may queue the next one, which on a GPU costs
+more than the step's small kernels. So:
+
+- the preemption flag is host state: the ranks agree on it every step through an all-reduce of a CPU
+  tensor over a gloo group (the default group when it is gloo, else a gloo group made once), which waits
+  for the other hosts, never for a device;
+- non-finite losses are counted on the device (``record``, ``end_step``: tensor ops, no read), and the
+  host reads the counts every ``train.nonfinite_check_interval`` steps and before every checkpoint, in
+  the same all-reduce. A run therefore stops within that many steps of a bad loss, and never saves one.
+
+What a non-finite loss means then depends on who skips the update. In fp16, DeepSpeed's loss scaler finds
+the overflowing gradients and skips that step itself, so the run stops only after
+``train.max_nonfinite_in_a_row`` bad steps in a row, as it always did. In bf16 and fp32 nothing skips it
+(the step has already been taken when the host learns of it), so the first one stops the run, and the
+resume goes back to the last checkpoint, which predates it. ``nonfinite_check_interval: 1`` keeps the
+exact old behaviour instead: every micro-batch's loss is read before its backward, and a bad one is
+dropped; it costs a device sync per micro-batch.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Verdict:
+    """What the ranks agreed on at the end of a step."""
+
+    preempted: bool
+    checked: bool  # the non-finite counts below were read this step
+    nonfinite: int = 0  # micro-batches with a non-finite loss since the last check (max over ranks)
+    worst_in_a_row: int = 0  # the longest run of steps with one since the last check (max over ranks)
+
+
+class StepGuard:
+    """Remembers SIGUSR1/SIGTERM from construction on; counts non-finite losses on ``device`` once ``start``ed."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+        self.group = None
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def start(self, device: torch.device, check_interval: int, max_in_a_row: int, skips_nonfinite: bool) -> None:
+        """``skips_nonfinite``: the optimizer skips steps with non-finite gradients itself (fp16)."""
+        self.device, self.check_interval = device, check_interval
+        self.max_in_a_row, self.skips_nonfinite = max_in_a_row, skips_nonfinite
+        # gloo for host tensors: the backend of the default group may be NCCL, which reduces device tensors.
+        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._reset_counts()
+        self._step_bad = torch.zeros((), dtype=torch.int32, device=device)
+
+    def _reset_counts(self) -> None:
+        zero = torch.zeros((), dtype=torch.int32, device=self.device)
+        self._bad_total, self._in_a_row, self._worst = zero.clone(), zero.clone(), zero.clone()
+
+    @property
+    def drops_nonfinite(self) -> bool:
+        """Read every micro-batch's loss and drop the bad ones before backward (interval 1, a sync each)."""
+        return self.check_interval == 1
+
+    def record(self, loss: torch.Tensor) -> None:
+        """Count ``loss`` if it is not finite (device ops only)."""
+        bad = (~torch.isfinite(torch.as_tensor(loss, device=self.device).detach())).to(torch.int32)
+        self._bad_total += bad
+        self._step_bad |= bad
+
+    def end_step(self, step: int, before_save: bool = False) -> Verdict:
+        """Close a step with one host all-reduce; on check steps, before a save and on a preemption (which
+        saves) it also carries the counts read from the device."""
+        self._in_a_row = (self._in_a_row + 1) * self._step_bad
+        self._worst = torch.maximum(self._worst, self._in_a_row)
+        self._step_bad.zero_()
+        verdict = self._agree(read=before_save or step % self.check_interval == 0)
+        if verdict.preempted and not verdict.checked:  # every rank agreed on that, so every rank comes here
+            verdict = self._agree(read=True)
+        return verdict
+
+    def _agree(self, read: bool) -> Verdict:
+        values = [float(self.requested), 0.0, 0.0]
+        if read:  # the one read of the device: two integers
+            values[1:] = torch.stack([self._bad_total, self._worst]).tolist()
+            self._bad_total.zero_(), self._worst.zero_()
+        agreed = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        preempted, nonfinite, worst = (int(v) for v in agreed.tolist())
+        return Verdict(bool(preempted), read, nonfinite, worst)
+
+    def must_stop(self, verdict: Verdict) -> bool:
+        """True when the losses say the run cannot go on (see the module docstring)."""
+        if self.drops_nonfinite or self.skips_nonfinite:
+            return verdict.worst_in_a_row >= self.max_in_a_row
+        return verdict.nonfinite > 0

@@ -1,0 +1,108 @@
+"""The ELECTRA step's budget of device work, counted on the CPU (``convbert_ds.model.op_count``).
+
+On a GPU the step is bound by the host: every dispatched op is about one kernel launch, and every sync
+(``.item()``, a boolean index, ``nonzero``, ``unique``) stops the host from queueing ahead. Both are
+counted here, without a GPU, so a change that brings them back fails in CI rather than on the next
+cluster run. ``python benchmarks/train_step.py`` prints the same counts for the plain loop and the engine.
+
+Measured (ConvBERT-base, batch 2 x 128, forward + backward, fp32): 5,000 ops (bf16 autocast) and 17 syncs
+before the static step; 3,557 ops and 0 syncs after it. The budgets leave ~5% for harmless change.
+"""
+
+import pytest
+import torch
+
+from convbert_ds.config import ElectraConfig
+from convbert_ds.model import ElectraForPretraining
+from convbert_ds.model.op_count import OpCounter
+
+BASE_FWD_BWD_OPS = 3750
+
+
+def _batch(config: ElectraConfig, batch: int, seq_len: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(5, config.discriminator.vocab_size, (batch, seq_len), generator=gen)
+    input_ids[:, 0], input_ids[:, -1] = 2, 3
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[-1, seq_len * 3 // 4:] = 0  # one padded row: masks and counts must not depend on the data
+    input_ids[-1, seq_len * 3 // 4:] = 0
+    return input_ids, attention_mask, torch.zeros_like(input_ids)
+
+
+def _count_step(preset: str, seq_len: int, autocast: bool) -> tuple[OpCounter, dict]:
+    torch.manual_seed(0)
+    config = ElectraConfig.from_preset(preset, vocab_size=30522, max_position_embeddings=512)
+    model = ElectraForPretraining(config)
+    inputs = _batch(config, 2, seq_len)
+    with OpCounter(where=True) as ops:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(*inputs, check=False)
+        out.loss.backward()
+    with OpCounter() as metric_ops:
+        metrics = out.metric_tensors()
+    assert metric_ops.syncs == 0 and set(metrics) >= {"rtd_auc", "replaced_fraction"}, "metrics stay on the device"
+    return ops, metrics
+
+
+def test_base_step_has_no_sync_and_stays_under_its_op_budget():
+    ops, _ = _count_step("base", 128, autocast=False)
+    assert ops.syncs == 0, ops.sync_sites()
+    assert ops.total <= BASE_FWD_BWD_OPS, ops.ops.most_common(15)
+
+
+def test_autocast_step_has_no_sync():
+    """bf16 autocast adds a cast per weight use (~1,500 at base; bf16 weights, as DeepSpeed's bf16 keeps them,
+    have none) but no sync. The tiny preset: CPU bf16 matmuls are slow."""
+    ops, _ = _count_step("tiny", 64, autocast=True)
+    assert ops.syncs == 0, ops.sync_sites()
+
+
+def test_input_check_is_the_only_read_and_is_skippable():
+    """``check=True`` (the default for users) reads the ids' range; the trainer checks on the host instead."""
+    torch.manual_seed(0)
+    config = ElectraConfig.from_preset("tiny", vocab_size=1000, max_position_embeddings=64)
+    model = ElectraForPretraining(config)
+    inputs = _batch(config, 2, 32)
+    with OpCounter() as ops:
+        model(*inputs)
+    assert 0 < ops.syncs <= 3 and set(ops.sync_ops) == {"aten._local_scalar_dense"}, ops.sync_ops
+
+
+def test_step_traces_as_one_graph():
+    """``torch._dynamo.explain``: the whole forward (masking, both bodies, sampling, losses) in one graph."""
+    torch.manual_seed(0)
+    config = ElectraConfig.from_preset("tiny", vocab_size=1000, max_position_embeddings=64)
+    model = ElectraForPretraining(config)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda *inputs: model(*inputs, check=False))(*_batch(config, 2, 32))
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("masking", ["fixed", "bernoulli"])
+def test_compiled_step_follows_eager(masking):
+    """``compile_step`` (train.compile_mode=step): forward and backward as compiled graphs give eager's losses
+    and gradients (inductor reorders reductions: fp32 rounding) from the same random stream."""
+    from convbert_ds.model.layers import compile_step
+
+    config = ElectraConfig.from_preset("tiny", vocab_size=1000, max_position_embeddings=64)
+    config.masking = masking
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = ElectraForPretraining(config)
+        if compiled:
+            torch._dynamo.reset()
+            compile_step(model, cuda=False)
+        inputs = _batch(config, 4, 32)
+        for step in range(2):  # the second call replays the graph: new masks, no recompile
+            torch.manual_seed(100 + step)
+            out = model(*inputs, check=False)
+            model.zero_grad()
+            out.loss.backward()
+        grad = model.discriminator.convbert.encoder.layer[0].attention.self.query.weight.grad
+        results.append((out.metrics(), grad.clone()))
+    (eager, eager_grad), (compiled, compiled_grad) = results
+    for key, value in eager.items():
+        assert compiled[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-3, atol=1e-6)

@@ -236,6 +236,20 @@ def _check_combinations(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     return micro, t.global_batch_size // per_step
 
 
+def _check_compile(cfg: TrainConfig, ds_config: dict) -> None:
+    """``compile_mode: step`` puts the whole step in one graph; what would split it is refused up front."""
+    t = cfg.train
+    if not (t.compile and t.compile_mode == "step"):
+        return
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if cfg.pipeline.stages > 1:
+        raise ConfigError(f"train.compile_mode=step with pipeline.stages={cfg.pipeline.stages}: the pipeline engine "
+                          "runs the step layer by layer; use train.compile_mode=layers")
+    if stage == 3:
+        raise ConfigError("train.compile_mode=step with zero_optimization.stage=3: ZeRO-3 gathers parameters in hooks "
+                          "inside the forward, which split the graph; use stage 0-2 or train.compile_mode=layers")
+
+
 def _has_valid(path: Path) -> bool:
     """Whether a shard dir has documents to evaluate on; a damaged validation split is an error, not a
     reason to run without evaluation."""
@@ -339,6 +353,7 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision)
     if cfg.pipeline.stages > 1:
         check_pipeline_ds_config(ds_config)
+    _check_compile(cfg, ds_config)
     sets = parse_sets(cfg.data.sets)
     train_splits = [open_split(path, "train") for path, _ in sets]
     if cfg.data.verify == "checksum" and distributed.rank() == 0:

@@ -80,6 +80,7 @@ class Trainer:
 
     def _build_model(self):
         model = self._build_uncompiled_model()
+        self.cuda_graphs = self.cfg.train.compile and self.cfg.train.compile_mode == "step" and torch.cuda.is_available()
         if self.cfg.train.compile and torch.cuda.is_available():
             # sdconv_impl=auto decides per layout by running the kernels once: eagerly, before tracing.
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
@@ -238,13 +239,19 @@ class Trainer:
                      batch.get("token_type_ids"))
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
+    def _forward(self, batch: dict):
+        batch = self._to_device(batch)
+        if self.cuda_graphs:
+            # A new replay may reuse the last one's output memory: the previous micro-batch is done with it.
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], check=False)
+
     def _plain_step(self, batches, want_metrics: bool) -> dict:
         """One optimizer step; its metrics (mean over micro-batches) only when ``want_metrics``: reading them
         is a device sync, so only logging steps pay for it."""
         sums, count = {}, 0
         for _ in range(self.grad_accum):
-            batch = self._to_device(next(batches))
-            out = self.engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], check=False)
+            out = self._forward(next(batches))
             self.guard.record(out.loss)
             if self.guard.drops_nonfinite and not self._agreed_finite(out.loss):
                 # Drop this micro-batch: a zero loss that touches every parameter keeps DeepSpeed's
@@ -288,9 +295,7 @@ class Trainer:
                     sums, count = pipeline_metrics(self.engine), 1
             else:
                 for batch in self.valid_loader:
-                    batch = self._to_device(batch)
-                    out = self.engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
-                                      check=False)
+                    out = self._forward(batch)
                     for key, value in out.metric_tensors().items():
                         sums[key] = sums[key] + value if key in sums else value
                     count += 1

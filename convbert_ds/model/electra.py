@@ -18,6 +18,12 @@ encoder under an MLM head, so the encoder learns from both losses. At the tiny p
 
 The ``mlm`` objective trains the masked-LM model alone (BERT-style baseline).
 Each step is a small function so the pipeline engine can place them on stages.
+
+The step never waits for the device: every shape is fixed by the batch (the masked positions are ``P``
+slots per sequence, gathered and scattered, never selected by a boolean mask), nothing is read back with
+``.item()``, and the metrics are computed only when asked. So a GPU's host can queue steps ahead, and the
+whole forward and backward compile into one graph (``train.compile_mode=step``);
+``tests/model/test_step_budget.py`` counts it.
 """
 
 from __future__ import annotations

@@ -269,7 +269,10 @@ def compile_step(model: nn.Module, cuda: bool) -> None:
     take this shape because nothing in it reads the device (static masking, no ``.item()``, inputs checked
     on the host) and batches have one shape. Call it with ``check=False``."""
     _eager_random_stream()
-    model.compile(fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda else None)
+    # ``forward``, not the module's call: hooks that an engine registers on the module (DeepSpeed's timers
+    # and ZeRO bookkeeping) stay eager around the graph instead of breaking it.
+    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                                  mode="reduce-overhead" if cuda else None)
 
 
 def _eager_random_stream() -> None:

@@ -25,12 +25,15 @@ def runs(tiny_corpus, tmp_path_factory):
     """Eager and compiled runs of ZeRO-2 and of a 2-stage pipeline with activation checkpointing."""
     root = tmp_path_factory.mktemp("compile")
     layouts = {"zero2": ("deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32"), "pipeline": PIPELINE}
+    modes = {"eager": ("train.compile=false",), "compiled": ("train.compile=true",),
+             "step": ("train.compile=true", "train.compile_mode=step")}
     done = {}
     for layout, overrides in layouts.items():
-        for mode in ("eager", "compiled"):
+        for mode, switches in modes.items():
+            if mode == "step" and layout == "pipeline":
+                continue  # refused up front (the pipeline runs layer by layer)
             run_dir = root / f"{layout}_{mode}"
-            output = check(run_training(run_dir, tiny_corpus["shards"], *COMMON, *overrides,
-                                        f"train.compile={mode == 'compiled'}", timeout=600))
+            output = check(run_training(run_dir, tiny_corpus["shards"], *COMMON, *overrides, *switches, timeout=600))
             done[layout, mode] = (run_dir, output)
     return done
 
@@ -39,9 +42,13 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-4 * max(abs(a), abs(b), 1.0)
 
 
-@pytest.mark.parametrize("layout", ["zero2", "pipeline"])
-def test_compiled_training_follows_eager(runs, layout):
-    eager, compiled = (train_metrics(runs[layout, mode][0]) for mode in ("eager", "compiled"))
+COMPILED = [("zero2", "compiled"), ("pipeline", "compiled"), ("zero2", "step")]
+
+
+@pytest.mark.parametrize("layout,mode", COMPILED)
+def test_compiled_training_follows_eager(runs, layout, mode):
+    """``step``: the whole ELECTRA forward and backward as one graph inside the DeepSpeed engine."""
+    eager, compiled = (train_metrics(runs[layout, name][0]) for name in ("eager", mode))
     assert [r["step"] for r in compiled] == list(range(1, 21))
     for a, b in zip(eager, compiled):
         for key in ("loss", "mlm_loss", "rtd_loss", "grad_norm"):
@@ -49,11 +56,12 @@ def test_compiled_training_follows_eager(runs, layout):
     assert "compiled_graphs" not in eager[0]
 
 
-@pytest.mark.parametrize("layout", ["zero2", "pipeline"])
-def test_nothing_recompiles_after_warm_up(runs, layout):
+@pytest.mark.parametrize("layout,mode", COMPILED)
+def test_nothing_recompiles_after_warm_up(runs, layout, mode):
     """Graphs are built at step 1 (training) and at the first evaluation (eval mode, no grad), then never:
-    masking and Gumbel sampling draw new positions every step without touching the compiled layers."""
-    counts = [r["compiled_graphs"] for r in train_metrics(runs[layout, "compiled"][0])]
+    masking and Gumbel sampling draw new positions every step without recompiling (with ``step`` they are
+    inside the graph: static shapes)."""
+    counts = [r["compiled_graphs"] for r in train_metrics(runs[layout, mode][0])]
     assert len(set(counts[:10])) == 1 and len(set(counts[10:])) == 1, counts
     assert 0 < counts[0] <= counts[10], counts
 

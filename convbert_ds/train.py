@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from convbert_ds.engine import distributed
-from convbert_ds.engine.plan import RunPlan, build_ds_config, resolve
+from convbert_ds.engine.plan import RunPlan, build_ds_config, host_sync_warnings, resolve
 from convbert_ds.engine.train_config import describe_keys, load_config
 from convbert_ds.engine.trainer import EXIT_PREEMPTED, Preemption, Trainer, TrainingError
 from convbert_ds.errors import EXIT_USER_ERROR, ArgumentParser, UserError
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         # Degrades the run without stopping it: say so at start, not by an absence of eval lines hours later.
         print("warning: not every data.sets directory has a validation split, so evaluation is off; shard with "
               "--valid-fraction 0.01 to get one, or set eval.interval=0 to silence this", file=sys.stderr)
+    if distributed.rank() == 0:
+        for line in host_sync_warnings(plan.ds_config):
+            print(f"warning: {line}", file=sys.stderr)
     if args.print_config:
         print(json.dumps(dataclasses.asdict(plan), indent=2, default=str))
     if args.check_config:

@@ -133,18 +133,50 @@ def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_ac
               gradient_accumulation_steps=grad_accum, gradient_clipping=t.grad_clip, steps_per_print=10**9)
     ds["optimizer"] = {"type": "AdamW", "params": {
         "lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps, "weight_decay": t.weight_decay,
-        # torch's AdamW: no CUDA extension to build, and it runs on CPU ranks too.
-        "torch_adam": True, "adam_w_mode": True}}
+        # torch's AdamW: no CUDA extension to build, and it runs on CPU ranks too. fused: one kernel per
+        # parameter group instead of a dozen ops per tensor (DeepSpeed passes the key on to torch).
+        "torch_adam": True, "adam_w_mode": True, "fused": True}}
     warmup = max(2, min(t.warmup_steps, t.steps - 1))
     ds["scheduler"] = {"type": "WarmupDecayLR", "params": {
         "warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": warmup,
         "total_num_steps": max(t.steps, warmup + 1), "warmup_type": "linear"}}
+    # The trainer logs its own throughput; DeepSpeed's timer (on unless a file says otherwise) syncs twice a step.
+    ds["timers"] = {**ds.get("timers", {})}
+    ds["timers"]["throughput"] = {"enabled": False, **ds["timers"].get("throughput", {})}
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision == "bf16"}
     ds["fp16"] = {**ds.get("fp16", {}), "enabled": precision == "fp16"}
     if precision == "fp16":
         ds["fp16"].setdefault("loss_scale", 0)  # dynamic loss scaling
         ds["fp16"].setdefault("initial_scale_power", 16)
     return ds
+
+
+def host_sync_warnings(ds: dict) -> list[str]:
+    """DeepSpeed settings that make every step wait on the device (per-tensor syncs, timers), one line each
+    naming the setting and the fix; empty for the files in ds_configs/ other than zero0_bf16/zero0_fp16."""
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    bf16 = (ds.get("bf16") or {}).get("enabled", False)
+    lines = []
+    for name in ("bf16", "fp16"):
+        if (ds.get(name) or {}).get("enabled") and stage == 0:
+            lines.append(f"{name} with zero_optimization.stage=0 runs DeepSpeed's unfused optimizer (an fp32 copy, "
+                         "overflow test and host sync per parameter tensor every step); use stage 1 "
+                         f"(ds_configs/zero1_{name}.json) or fp32")
+    if bf16 and stage in (1, 2) and (ds.get("bf16") or {}).get("check_grad_overflow", True):
+        lines.append(f"bf16.check_grad_overflow is true (DeepSpeed's default) at ZeRO-{stage}: an inf/NaN test per "
+                     "gradient tensor and a host sync every step; set it to false (the trainer's non-finite-loss "
+                     "check, train.nonfinite_check_interval, stops a bf16 run that goes bad)")
+    throughput = (ds.get("timers") or {}).get("throughput") or {}
+    if throughput.get("enabled", True) and throughput.get("synchronized", True):
+        lines.append('DeepSpeed\'s throughput timer is on: two device synchronize() every step; set '
+                     '"timers": {"throughput": {"enabled": false}} (the trainer logs samples_per_s itself)')
+    if ds.get("wall_clock_breakdown"):
+        lines.append("wall_clock_breakdown=true synchronizes the device around forward, backward and step; set it "
+                     "to false (train.profile traces a few steps instead)")
+    if ds.get("memory_breakdown"):
+        lines.append("memory_breakdown=true runs gc.collect() and prints memory at every forward and step; set it "
+                     "to false")
+    return lines
 
 
 def _electra_config(cfg: TrainConfig, vocab_size: int, special_ids: dict) -> ElectraConfig:

@@ -298,12 +298,15 @@ def _init_adam_state(engine, step: torch.Tensor) -> None:
     # ZeRO-3 hands torch's Adam one sub-group at a time, so its groups do not list every tensor it updates.
     flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or \
         [flat for group in base.param_groups for flat in group["params"]]
+    # Fused AdamW keeps its step count as float32 on the parameters' device (as torch's own loading does).
+    fused = bool(base.defaults.get("fused"))
     for flat in flats:
+        flat_step = step.to(flat.device, torch.float32) if fused else step.clone()
         if not base.state[flat]:
-            base.state[flat] = {"step": step.clone(), "exp_avg": torch.zeros_like(flat),
+            base.state[flat] = {"step": flat_step, "exp_avg": torch.zeros_like(flat),
                                 "exp_avg_sq": torch.zeros_like(flat)}
         else:
-            base.state[flat]["step"] = step.clone()
+            base.state[flat]["step"] = flat_step
     _link_views(engine)
 
 

@@ -13,7 +13,7 @@ import pytest
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from convbert_ds.config import ConfigError
-from convbert_ds.engine.plan import build_ds_config, load_ds_config, precision_of
+from convbert_ds.engine.plan import build_ds_config, host_sync_warnings, load_ds_config, precision_of
 from convbert_ds.engine.train_config import load_config
 from launch import REPO, TINY_CONFIG
 
@@ -47,6 +47,28 @@ def test_file_parses_in_deepspeed_as_its_name_says(path):
         assert parsed.float16_config.loss_scale == 0  # dynamic: overflowing steps are skipped, the scale backs off
     if "offload" in path.stem:
         assert parsed.zero_config.offload_optimizer.device == "cpu"
+    # The lean step (test_engine_budget.py counts it): no throughput timer, no per-tensor overflow test in bf16
+    # ZeRO-1/2, torch's fused AdamW; only the unfused ZeRO-0 fp16/bf16 optimizer is left to warn about.
+    assert not parsed.timers_config.enabled and not parsed.wall_clock_breakdown
+    assert parsed.optimizer_params["fused"] is True
+    if precision == "bf16" and stage in (1, 2):
+        assert parsed.bfloat16_config.check_grad_overflow is False
+    warnings = host_sync_warnings(build_ds_config(cfg, base, cfg.train.micro_batch_size, grad_accum, precision))
+    if stage == 0 and precision != "fp32":
+        assert len(warnings) == 1 and warnings[0].startswith(f"{precision} with zero_optimization.stage=0")
+    else:
+        assert warnings == []
+
+
+def test_settings_that_sync_every_step_are_named_with_their_fix():
+    ds = {"wall_clock_breakdown": True, "memory_breakdown": True, "bf16": {"enabled": True},
+          "zero_optimization": {"stage": 2}}
+    warnings = host_sync_warnings(ds)
+    assert [line.split(" ")[0] for line in warnings] == [
+        "bf16.check_grad_overflow", "DeepSpeed's", "wall_clock_breakdown=true", "memory_breakdown=true"]
+    assert all("set it to false" in line or '"enabled": false' in line for line in warnings)
+    assert host_sync_warnings({"timers": {"throughput": {"synchronized": False}}}) == []
+    assert "use stage 1 (ds_configs/zero1_bf16.json)" in host_sync_warnings({**ds, "zero_optimization": {}})[0]
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -44,8 +44,11 @@ def parse_sets(sets) -> list[tuple[Path, float]]:
             if "path" not in entry:
                 raise ConfigError(f"data.sets[{i}] has no 'path'; write it as {{path: SHARD_DIR, weight: 1.0}}")
             path, weight = entry["path"], entry.get("weight", 1.0)
-        else:
+        elif hasattr(entry, "path"):
             path, weight = entry.path, getattr(entry, "weight", 1.0)
+        else:
+            raise ConfigError(f"data.sets[{i}]={entry!r}: expected a shard directory or {{path: SHARD_DIR, "
+                              "weight: 1.0}")
         try:
             weight = float(weight)
         except (TypeError, ValueError):

@@ -110,6 +110,7 @@ single = st.sampled_from(KEYS).flatmap(
 @example(case=("train.lr", math.nan))  # a non-finite float passed every bound check (found by this suite)
 @example(case=("data.num_workers", 10**18))  # spawned workers until the machine gave up (found by this suite)
 @example(case=("train.adam_beta2", 1.0))  # Adam's bias correction divides by zero (found by this suite)
+@example(case=("data.sets", [1, 2]))  # a set that is neither a path nor a mapping: a traceback (found by this suite)
 def test_every_key_rejects_bad_values_in_one_line_or_accepts_them(case, tiny_corpus, capsys):
     path, value = case
     code, err = _check(tiny_corpus["shards"], [f"{path}={_yaml(value)}"], capsys)

@@ -10,10 +10,13 @@ fails still leaves the others' figures:
 1. ``tests``: the Triton kernel tests, the auto-fallback tests and the transformers-parity tests on CUDA.
 2. ``sdconv``: ``benchmarks/sdconv.py`` in bf16 and fp16 (batch 32-256 x seq 128/512, ConvBERT-base
    shapes, K = 9): fused kernels vs transformers' unfold path, bandwidth vs a copy, peak memory.
-3. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128, small and
-   base, bf16 and fp16, SDConv torch vs triton, compile off vs on; samples/s, tokens/s and MFU are the
-   medians of the trainer's own ``metrics.jsonl`` after warm-up (the most telling runs first).
-4. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
+3. ``train_step``: ``benchmarks/train_step.py`` at base bf16: our model in a plain loop vs through the
+   DeepSpeed engine vs transformers' ConvBERT, step times, their ratios, and ops / syncs per step.
+4. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128, small and
+   base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step; samples/s,
+   tokens/s and MFU are the medians of the trainer's own ``metrics.jsonl`` after warm-up (the most
+   telling runs first).
+5. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0, leaving RESULTS.md untouched.
 Exit code: 0 when every part that ran passed, 1 otherwise (the figures are written either way).
@@ -46,10 +49,16 @@ class PretrainRun:
     precision: str
     sdconv: str
     compile: bool
+    compile_mode: str = "layers"  # train.compile_mode when compile is on: layers, or step (the whole step)
+
+    @property
+    def compile_label(self) -> str:
+        return "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
 
 
 # Base bf16 first: the headline MFU figure; then what each switch changes, one at a time.
 GPU_RUNS = [PretrainRun("base", "bf16", "triton", False), PretrainRun("base", "bf16", "torch", False),
+            PretrainRun("base", "bf16", "triton", True, "step"),
             PretrainRun("base", "bf16", "triton", True), PretrainRun("base", "fp16", "triton", False),
             PretrainRun("small", "bf16", "triton", False), PretrainRun("small", "bf16", "triton", True),
             PretrainRun("small", "bf16", "torch", False), PretrainRun("base", "fp16", "triton", True),
@@ -62,6 +71,7 @@ class Scale:
     """Sizes of one acceptance run: the real one on a GPU, or toy ones that exercise every part on CPU."""
     tests: tuple[str, ...]
     sdconv_args: tuple[tuple[str, ...], ...]
+    train_step_args: tuple[str, ...]
     runs: list[PretrainRun]
     batch: int
     seq: int
@@ -71,10 +81,15 @@ class Scale:
 
 
 GPU = Scale(tests=("tests/kernels", "tests/model/test_sdconv_reference.py", "tests/model/test_hf_parity.py"),
-            sdconv_args=(("--dtype", "bf16"), ("--dtype", "fp16")), runs=GPU_RUNS, batch=128, seq=128,
+            sdconv_args=(("--dtype", "bf16"), ("--dtype", "fp16")),
+            train_step_args=("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision",
+                             "bf16"),
+            runs=GPU_RUNS, batch=128, seq=128,
             steps=30, warmup_rows=10, vocab_size=30522)
 CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
                   sdconv_args=(("--dtype", "fp32", "--batch", "2", "--seq", "32", "--reps", "2"),),
+                  train_step_args=("--preset", "tiny", "--batch", "4", "--seq", "64", "--steps", "2", "--threads",
+                                   "1"),
                   runs=CPU_SMOKE_RUNS, batch=4, seq=64, steps=6, warmup_rows=2, vocab_size=2000)
 
 
@@ -119,23 +134,35 @@ class Acceptance:
             parts.append(f"$ python benchmarks/sdconv.py {' '.join(args)}\n{(stdout if code == 0 else output).strip()}")
         return _fenced(parts)
 
+    def train_step(self) -> str:
+        """The three training loops side by side on the acceptance's own shards (engine vs plain vs
+        transformers); eager: compiling three models would not fit the part's time."""
+        args = [*self.scale.train_step_args, "--shards", str(self._shards())]
+        code, stdout, output = self.run("train_step", [sys.executable, "benchmarks/train_step.py", *args],
+                                        limit_s=150)
+        report = stdout[stdout.find("device="):] if code == 0 else output  # without DeepSpeed's start-up log
+        return _fenced([f"$ python benchmarks/train_step.py {' '.join(self.scale.train_step_args)}", report.strip()])
+
     def pretrain(self) -> str:
         shards = self._shards()
         rows = ["| preset | precision | SDConv | compile | samples/s | tokens/s | TFLOP/s | MFU | first step (s) |",
                 "|---|---|---|---|---:|---:|---:|---:|---:|"]
         for spec in self.scale.runs:
             figures = self._pretrain_one(spec, shards)
-            rows.append(f"| {spec.preset} | {spec.precision} | {spec.sdconv} | {'on' if spec.compile else 'off'} | "
+            rows.append(f"| {spec.preset} | {spec.precision} | {spec.sdconv} | {spec.compile_label} | "
                         + " | ".join(figures) + " |")
         s = self.scale
-        return "\n".join([f"Global batch {s.batch} x seq {s.seq}, one process, {s.steps} steps, ZeRO-0 "
-                          f"(`ds_configs/zero0_bf16.json`, precision overridden); medians of the steps after "
-                          f"the first {s.warmup_rows}. Each run: `python -m convbert_ds.train --config "
-                          f"configs/PRESET.yaml train.precision=P model.overrides.sdconv_impl=S "
-                          f"train.compile=C ...` (the full line is in the log).", "", *rows])
+        return "\n".join([f"Global batch {s.batch} x seq {s.seq}, one process, {s.steps} steps, ZeRO-1 "
+                          f"(`ds_configs/zero1_bf16.json`, the trainer's lean default, precision overridden); "
+                          f"medians of the steps after the first {s.warmup_rows}. Each run: `python -m "
+                          f"convbert_ds.train --config configs/PRESET.yaml train.precision=P "
+                          f"model.overrides.sdconv_impl=S train.compile=C train.compile_mode=M ...` (compile on: "
+                          f"M=layers, step: M=step; the full line is in the log).", "", *rows])
 
     def _shards(self) -> Path:
-        # Here: only the pretraining part needs preprocessing (and a machine without a GPU never gets here).
+        # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
+        if (self.work / "shards" / "manifest.json").is_file():
+            return self.work / "shards"
         from convbert_ds.data.builtin_corpus import write_corpus
         from preprocessing.shard import shard_corpus
         from preprocessing.tokenizer import train_tokenizer
@@ -153,12 +180,14 @@ class Acceptance:
                 "data.num_workers=2", f"train.global_batch_size={self.scale.batch}",
                 f"train.micro_batch_size={self.scale.batch}", f"train.steps={steps}", "train.warmup_steps=1",
                 f"train.precision={spec.precision}", f"train.compile={str(spec.compile).lower()}",
-                f"model.overrides.sdconv_impl={spec.sdconv}", "deepspeed.config=ds_configs/zero0_bf16.json",
+                f"train.compile_mode={spec.compile_mode}",
+                f"model.overrides.sdconv_impl={spec.sdconv}", "deepspeed.config=ds_configs/zero1_bf16.json",
                 f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
                 f"log.dir={run_dir / 'logs'}", "log.interval=1", "eval.interval=0"]
 
     def _pretrain_one(self, spec: PretrainRun, shards: Path) -> list[str]:
-        name = f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{'compiled' if spec.compile else 'eager'}"
+        mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
+        name = f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}"
         run_dir = self.work / name
         code, _, _ = self.run(name, [sys.executable, "-m", "convbert_ds.train",
                                   *self._train_args(spec, shards, run_dir, self.scale.steps)], limit_s=150)
@@ -263,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget)
         body = [("Kernel, fallback and parity tests", acceptance.tests()),
                 ("SDConv kernel", acceptance.sdconv()),
+                ("Training step: plain PyTorch vs DeepSpeed engine vs transformers' ConvBERT",
+                 acceptance.train_step()),
                 ("One-GPU ELECTRA pretraining throughput (the trainer's own log)", acceptance.pretrain()),
                 ("Two processes on one GPU", acceptance.nccl(on_gpu))]
     command = "python -m benchmarks.gpu_acceptance" + ("" if on_gpu else f" --cpu-smoke {args.cpu_smoke.name}")

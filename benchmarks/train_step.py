@@ -1,16 +1,29 @@
-"""Training-step cost of our DeepSpeed engine vs a plain PyTorch loop, same model, same batches.
+"""Training-step cost of our DeepSpeed engine vs a plain PyTorch loop vs transformers' ConvBERT, same batches.
 
-One process, one rank. Both models start from the same weights and see the
-same batches from the real data path (standard-library docstrings, tokenizer,
-shards, packing); steps alternate A B A B so machine noise hits both alike.
-Prints median step times and the engine's overhead. With --precision bf16 each side
-runs its usual recipe: DeepSpeed's (bf16 weights, fp32 master copy in the optimizer) against
-the plain loop's torch.autocast over fp32 weights.
+One process, one rank. Three rows, each an ELECTRA step (generator MLM + 50 x replaced-token detection,
+AdamW, gradient clipping at 1.0) on the same batches from the real data path (standard-library
+docstrings, tokenizer, shards, packing), steps alternating A B C A B C so machine noise hits all alike:
+
+* ``plain PyTorch``: our model in a plain loop, ``torch.optim.AdamW(fused=True)`` where the device has it;
+* ``DeepSpeed engine``: our model through ``deepspeed.initialize`` with the DeepSpeed config the trainer
+  builds (``engine.plan.build_ds_config`` over ``ds_configs/zero{N}_bf16.json``, precision overridden);
+* ``transformers ConvBERT``: transformers' own classes in the same plain loop (``benchmarks/hf_electra.py``),
+  same sizes, same starting weights, same masks.
+
+Prints median step time, samples/s, TFLOP/s and MFU per row (FLOPs of the model, the same for all rows),
+the ratios of the medians, then the ops (about one kernel launch each) and host-device syncs of one more
+step per row, forward+backward and optimizer step apart (``convbert_ds.model.op_count``). With
+``--precision bf16`` each loop runs its usual recipe: DeepSpeed's (bf16 weights, fp32 master copy in the
+optimizer) against the plain loops' ``torch.autocast`` over fp32 weights. Batches are checked on the host
+(``check_inputs``) and our model is called with ``check=False``, as the trainer does.
 
     python benchmarks/train_step.py [--preset small] [--batch 16] [--seq 128] [--steps 20] [--threads 1]
     python benchmarks/train_step.py --preset base --batch 64 --seq 128 --precision bf16   # on a GPU
+    python benchmarks/train_step.py --preset base --batch 2 --seq 128 --counts-only --threads 1   # CPU: counts
 
-``--compile`` puts both models' encoder layers through torch.compile, as ``train.compile: true`` does.
+``--compile`` puts every row's encoder layers through torch.compile (``train.compile_mode: layers``);
+``--compile-step`` our two rows' whole step (``train.compile_mode: step``, CUDA graphs on a GPU) and the
+transformers row's model through plain torch.compile (graph breaks allowed: transformers' code has them).
 """
 
 from __future__ import annotations
@@ -19,11 +32,19 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/train_step.py` finds hf_electra
+
+PLAIN, ENGINE, HF = "plain PyTorch", "DeepSpeed engine", "transformers ConvBERT"
 
 
 def build_shards(work: Path, vocab_size: int) -> Path:
@@ -37,19 +58,224 @@ def build_shards(work: Path, vocab_size: int) -> Path:
     return work / "shards"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--zero-stage", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per row, after 2 of warm-up")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1,
+                        help="the engine's ds_configs/zero{N}_bf16.json, precision overridden (default 1: the "
+                             "trainer's default file; 0 with bf16 runs DeepSpeed's unfused optimizer)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--vocab-size", type=int, default=30522)
-    parser.add_argument("--compile", action="store_true", help="both sides' encoder layers through torch.compile")
+    parser.add_argument("--vocab-size", type=int, default=30522, help="tokenizer built for the run (not with --shards)")
+    parser.add_argument("--shards", type=Path, default=None,
+                        help="an existing shard directory (its tokenizer sizes the model); default: build one from "
+                             "the built-in corpus")
+    compile_mode = parser.add_mutually_exclusive_group()
+    compile_mode.add_argument("--compile", action="store_true",
+                              help="every row's encoder layers through torch.compile (train.compile_mode=layers)")
+    compile_mode.add_argument("--compile-step", action="store_true",
+                              help="our rows' whole step as one graph (train.compile_mode=step); the transformers "
+                                   "row through plain torch.compile")
+    parser.add_argument("--counts-only", action="store_true",
+                        help="skip the timing: one warm-up step per row, then the ops/syncs table (fast on CPU)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (1 gives stable figures on a shared machine)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.compile_step and args.zero_stage == 3:
+        parser.error("--compile-step with --zero-stage 3: ZeRO-3 gathers parameters in hooks inside the forward, "
+                     "which split the graph; use --zero-stage 0-2 or --compile")
+    return args
+
+
+def trainer_ds_config(args: argparse.Namespace, steps: int):
+    """The engine's DeepSpeed dict, built as the trainer builds it (``build_ds_config``), and the training
+    section whose optimiser settings the plain loops copy."""
+    from convbert_ds.engine.plan import build_ds_config, load_ds_config
+    from convbert_ds.engine.train_config import TrainConfig
+
+    cfg = TrainConfig.from_dict({
+        "train": {"global_batch_size": args.batch, "micro_batch_size": args.batch, "steps": steps,
+                  "warmup_steps": 1, "precision": args.precision},
+        "deepspeed": {"config": f"ds_configs/zero{args.zero_stage}_bf16.json"}})
+    return build_ds_config(cfg, load_ds_config(cfg), args.batch, 1, args.precision), cfg.train
+
+
+def electra_config(preset: str, split):
+    """The model for ``preset``, sized to the shards' tokenizer (as ``engine.plan`` sizes it)."""
+    from convbert_ds.config import ElectraConfig, generator_config, preset_generator_multiplier
+    from convbert_ds.config import preset as body_preset
+
+    ids = split.special_ids
+    body = body_preset(preset, vocab_size=split.vocab_size, pad_token_id=ids["pad"], max_position_embeddings=512)
+    return ElectraConfig(discriminator=body, generator=generator_config(body, preset_generator_multiplier(preset)),
+                         mask_token_id=ids["mask"], special_token_ids=(ids["pad"], ids["cls"], ids["sep"]))
+
+
+def adamw(params, train) -> tuple[torch.optim.Optimizer, bool]:
+    """The plain loops' AdamW, with the trainer's settings; fused (one kernel per step, not one per tensor)
+    where the parameters' device supports it."""
+    settings = dict(lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+    try:
+        return torch.optim.AdamW(params, fused=True, **settings), True
+    except RuntimeError:  # a device without a fused AdamW: torch's default (foreach) implementation
+        return torch.optim.AdamW(params, **settings), False
+
+
+@dataclass
+class Row:
+    """One loop's step, in the two parts the counts are split into."""
+
+    name: str
+    forward_backward: Callable[[dict], torch.Tensor]  # returns the loss, detached
+    optimizer_step: Callable[[], None]
+
+    def step(self, batch: dict) -> None:
+        self.forward_backward(batch)
+        self.optimizer_step()
+
+
+def begin_step(cuda_graphs: bool) -> None:
+    if cuda_graphs:  # as the trainer does: a new replay may reuse the last one's output memory
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def plain_row(name: str, model: torch.nn.Module, loss_of: Callable, optimizer: torch.optim.Optimizer,
+              autocast: torch.autocast, grad_clip: float, cuda_graphs: bool) -> Row:
+    """A plain PyTorch loop: autocast forward, backward; then clip, step, zero the gradients (what
+    ``engine.step()`` does, so the two parts compare)."""
+
+    def forward_backward(batch: dict) -> torch.Tensor:
+        begin_step(cuda_graphs)
+        with autocast:
+            loss = loss_of(model, batch)
+        loss.backward()
+        return loss.detach()
+
+    def optimizer_step() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Row(name, forward_backward, optimizer_step)
+
+
+def engine_row(engine, cuda_graphs: bool) -> Row:
+    def forward_backward(batch: dict) -> torch.Tensor:
+        begin_step(cuda_graphs)
+        out = engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], check=False)
+        engine.backward(out.loss)
+        return out.loss.detach()
+
+    return Row(ENGINE, forward_backward, engine.step)
+
+
+def our_loss(model, batch: dict) -> torch.Tensor:
+    return model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], check=False).loss
+
+
+def hf_loss(model, batch: dict) -> torch.Tensor:
+    return model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+
+
+def time_rows(rows: list[Row], batches, steps: int, cuda: bool, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds per step of each row, interleaved; every row gets the same batch and random seed each step."""
+    times = {row.name: [] for row in rows}
+    for i in range(steps + warmup):
+        batch = next(batches)
+        for row in rows:
+            torch.manual_seed(i)
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            row.step(batch)
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times[row.name].append(time.perf_counter() - start)
+    return times
+
+
+@dataclass
+class Counts:
+    forward_backward: object  # OpCounter
+    optimizer: object  # OpCounter
+    loss: float
+
+
+def site_counter():
+    """An ``OpCounter`` whose sync sites also name transformers' frames (``OpCounter`` names the innermost frame
+    of ours or DeepSpeed's, which the transformers row has none of)."""
+    from convbert_ds.model.op_count import OpCounter
+
+    class SiteCounter(OpCounter):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            # torch.compile refuses to trace under a dispatch mode that wants every eager op; this one then
+            # sees what a compiled step still dispatches: its extern kernels (GEMMs), not the fused ones.
+            return True
+
+        def _record_sync(self, name: str) -> None:
+            self.sync_ops[name] += 1
+            frames = [f for f in traceback.extract_stack()[:-2]
+                      if any(part in f.filename for part in ("convbert_ds", "deepspeed", "transformers"))]
+            where = f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno}" if frames else "torch"
+            self.sites[f"{where} {name}"] += 1
+
+    return SiteCounter()
+
+
+def count_rows(rows: list[Row], batch: dict) -> dict[str, Counts]:
+    """Ops and syncs of one step per row (after warm-up: no first-step allocations or compiles)."""
+    counts = {}
+    for row in rows:
+        torch.manual_seed(10**6)
+        with site_counter() as forward_backward:
+            loss = row.forward_backward(batch)
+        with site_counter() as optimizer:
+            row.optimizer_step()
+        counts[row.name] = Counts(forward_backward, optimizer, float(loss))  # read after counting
+    return counts
+
+
+def print_times(times: dict[str, list[float]], flops: float, batch: int, peak: float | None) -> None:
+    print(f"{'loop':<23}{'median step (s)':>16}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    for name, median in medians.items():
+        tflops = flops / median / 1e12
+        mfu = f"{tflops / peak:.1%}" if peak else "n/a"
+        print(f"{name:<23}{median:>16.4f}{batch / median:>11.1f}{tflops:>9.3f}{mfu:>7}")
+    print("  (TFLOP/s and MFU: our model's FLOPs for every row; transformers' LM head over every position, not "
+          "only the masked ones, is extra work not credited)")
+    print("ratios of median step times (below 1: the first is faster):")
+    for first, second in ((ENGINE, PLAIN), (PLAIN, HF), (ENGINE, HF)):
+        ratio = medians[first] / medians[second]
+        print(f"  {first} / {second}: {ratio:.3f} ({ratio - 1:+.1%}; {1 / ratio:.2f}x the throughput)")
+
+
+def print_counts(counts: dict[str, Counts], compiled: bool) -> None:
+    print("ops (dispatched ATen ops, about one kernel launch each) and host-device syncs of one step:")
+    if compiled:
+        print("  (compiled: a graph's fused kernels are not dispatched one by one, so they are not counted; the "
+              "ops are what the host still dispatches)")
+    print(f"{'loop':<23}{'fwd+bwd ops':>12}{'syncs':>7}{'optimizer ops':>15}{'syncs':>7}{'total ops':>11}"
+          f"{'loss':>9}")
+    for name, c in counts.items():
+        fb, opt = c.forward_backward, c.optimizer
+        print(f"{name:<23}{fb.total:>12,}{fb.syncs:>7}{opt.total:>15,}{opt.syncs:>7}{fb.total + opt.total:>11,}"
+              f"{c.loss:>9.3f}")
+    print("  (loss: of the counted step, same weights at the start and same masks; the engine keeps the trainer's "
+          "warm-up schedule, the plain loops a constant lr, so its loss drifts from theirs)")
+    for name, c in counts.items():  # where the syncs come from, so a regression names its culprit
+        for part, counter in (("fwd+bwd", c.forward_backward), ("optimizer", c.optimizer)):
+            if counter.syncs:
+                sites = ", ".join(f"{site} x{n}" for site, n in counter.sync_sites()[:4])
+                print(f"  {name}, {part} syncs: {sites}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     with socket.socket() as free:  # a port nobody listens on, so two runs on one machine never collide
@@ -59,82 +285,73 @@ def main() -> None:
 
     import deepspeed
 
-    from convbert_ds.config import ElectraConfig
+    from benchmarks.hf_electra import HFElectra, compile_hf_layers
     from convbert_ds.data.loader import build_dataloader
+    from convbert_ds.data.shards import open_split
     from convbert_ds.engine.distributed import init_process_group
     from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
+    from convbert_ds.engine.plan import host_sync_warnings
     from convbert_ds.model import ElectraForPretraining
-    from convbert_ds.model.layers import compile_layers
+    from convbert_ds.model.convbert import check_inputs
+    from convbert_ds.model.layers import compile_layers, compile_step
     from convbert_ds.model.optim import param_groups
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     init_process_group()
+    warmup = 1 if args.counts_only else 2
     with tempfile.TemporaryDirectory() as tmp:
-        shards = build_shards(Path(tmp), args.vocab_size)
-        config = ElectraConfig.from_preset(args.preset, vocab_size=args.vocab_size, max_position_embeddings=512)
+        shards = args.shards or build_shards(Path(tmp), args.vocab_size)
+        config = electra_config(args.preset, open_split(shards, "train"))
+        ds_config, train = trainer_ds_config(args, steps=args.steps + warmup + 10)
         torch.manual_seed(0)
-        plain = ElectraForPretraining(config).to(device)
+        plain = ElectraForPretraining(config)
         torch.manual_seed(0)
         wrapped = ElectraForPretraining(config)
+        hf = HFElectra(config)
+        hf.load_from(plain)  # all three rows start from the same weights
+        plain, hf = plain.to(device), hf.to(device)
         if args.compile:
-            compile_layers(plain), compile_layers(wrapped)
-        lr, betas, eps, wd = 2e-4, (0.9, 0.999), 1e-6, 0.01
-        ds_config = {
-            "train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch,
-            "gradient_clipping": 1.0, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": eps,
-                                                      "weight_decay": wd, "torch_adam": True}},
-            "zero_optimization": {"stage": args.zero_stage}, "bf16": {"enabled": args.precision == "bf16"}}
-        engine, _, _, _ = deepspeed.initialize(model=wrapped, model_parameters=param_groups(wrapped, wd),
-                                               config=ds_config)
-        optimizer = torch.optim.AdamW(param_groups(plain, wd), lr=lr, betas=betas, eps=eps)
+            compile_layers(plain), compile_layers(wrapped), compile_hf_layers(hf)
+        elif args.compile_step:
+            compile_step(plain, cuda), compile_step(wrapped, cuda)
+            hf.compile(dynamic=False, mode="reduce-overhead" if cuda else None)
+        engine, _, _, _ = deepspeed.initialize(model=wrapped, config=ds_config,
+                                               model_parameters=param_groups(wrapped, train.weight_decay))
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+        plain_opt, fused = adamw(param_groups(plain, train.weight_decay), train)
+        hf_opt, _ = adamw(param_groups(hf, train.weight_decay), train)
+        graphs = args.compile_step and cuda  # compiled with mode="reduce-overhead": replayed as CUDA graphs
+        rows = [plain_row(PLAIN, plain, our_loss, plain_opt, autocast, train.grad_clip, graphs),
+                engine_row(engine, graphs), plain_row(HF, hf, hf_loss, hf_opt, autocast, train.grad_clip, graphs)]
         loader = iter(build_dataloader([{"path": shards}], "train", seq_len=args.seq, micro_batch_size=args.batch,
                                        progress=False))
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
-        def plain_step(batch):
-            with autocast:
-                loss = plain(**batch).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-            optimizer.step()
+        def batches():
+            while True:
+                batch = next(loader)  # checked here, on the host copy, where reading ids costs no device sync
+                check_inputs(config.discriminator, batch["input_ids"], batch["attention_mask"],
+                             batch["token_type_ids"])
+                yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
-        def engine_step(batch):
-            out = engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-            engine.backward(out.loss)
-            engine.step()
-
-        times = {"plain PyTorch": [], "DeepSpeed engine": []}
-        steps = {"plain PyTorch": plain_step, "DeepSpeed engine": engine_step}
-        for i in range(args.steps + 2):
-            batch = {k: v.to(device) for k, v in next(loader).items()}
-            for name, step in steps.items():
-                torch.manual_seed(i)
-                if cuda:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                step(batch)
-                if cuda:
-                    torch.cuda.synchronize()
-                if i >= 2:  # warm-up
-                    times[name].append(time.perf_counter() - start)
+        stream = batches()
+        times = time_rows(rows, stream, 0 if args.counts_only else args.steps, cuda, warmup)
+        counts = count_rows(rows, next(stream))
 
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
-    flops = training_flops_per_sample(config, args.seq) * args.batch
-    peak = device_peak_tflops(device_name, None)
-    print(f"device={device_name} preset={args.preset} batch={args.batch} seq={args.seq} "
-          f"precision={args.precision} zero={args.zero_stage} steps={args.steps} threads={torch.get_num_threads()} "
-          f"compile={args.compile}")
-    print(f"{'loop':<18}{'median step (s)':>16}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
-    for name, values in times.items():
-        median = statistics.median(values)
-        tflops = flops / median / 1e12
-        mfu = f"{tflops / peak:.1%}" if peak else "n/a"
-        print(f"{name:<18}{median:>16.4f}{args.batch / median:>11.1f}{tflops:>9.3f}{mfu:>7}")
-    overhead = statistics.median(times["DeepSpeed engine"]) / statistics.median(times["plain PyTorch"]) - 1
-    print(f"DeepSpeed engine overhead vs plain PyTorch (medians): {overhead:+.1%}")
+    mode = "step (transformers row: torch.compile)" if args.compile_step else \
+        "layers (all rows)" if args.compile else "off"
+    print(f"device={device_name} preset={args.preset} batch={args.batch} seq={args.seq} precision={args.precision} "
+          f"zero={args.zero_stage} steps={0 if args.counts_only else args.steps} threads={torch.get_num_threads()} "
+          f"compile={mode}")
+    print(f"optimizers: plain loops torch AdamW (fused={fused}); engine {type(engine.optimizer).__name__} "
+          f"(ds_configs/zero{args.zero_stage}_bf16.json through build_ds_config)")
+    for line in host_sync_warnings(ds_config):  # what the trainer warns about at start-up, here too
+        print(f"warning: {line}")
+    if not args.counts_only:
+        flops = training_flops_per_sample(config, args.seq) * args.batch
+        print_times(times, flops, args.batch, device_peak_tflops(device_name, None))
+    print_counts(counts, compiled=args.compile or args.compile_step)
 
 
 if __name__ == "__main__":

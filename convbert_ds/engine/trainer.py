@@ -354,14 +354,15 @@ class Trainer:
                     skips_nonfinite=self.precision == "fp16")
         batches = iter(self.train_loader)
         saved_at, checked_at = self.step, self.step
+        # Throughput is measured between logging steps, whose metric read waits for the device: between
+        # them the host runs ahead of the GPU, so one step's host time says nothing.
+        timed_from, timed_step = time.perf_counter(), self.step
         while self.step < t.steps:
-            start = time.perf_counter()
             self.profiler.begin_step(self.step + 1)
             logging = (self.step + 1) % cfg.log.interval == 0 or self.step + 1 in (1, t.steps)
             metrics = (self._pipeline_step if self.pipelined else self._plain_step)(batches, logging)
             self.step += 1
             self.profiler.end_step(self.step)
-            elapsed = time.perf_counter() - start
             self.probes.poll()
             interval_save = self.step % cfg.checkpoint.interval == 0 and self.step < t.steps
             verdict = guard.end_step(self.step, before_save=interval_save or self.step == t.steps)
@@ -369,12 +370,17 @@ class Trainer:
                 self._stop_if_nonfinite(verdict, checked_at)
                 checked_at = self.step
             if logging:
-                self._log_step(metrics, elapsed)
-            if cfg.eval.interval and self.step % cfg.eval.interval == 0:
+                now = time.perf_counter()
+                self._log_step(metrics, (now - timed_from) / (self.step - timed_step))
+                timed_from, timed_step = now, self.step
+            evaluating = cfg.eval.interval and self.step % cfg.eval.interval == 0
+            if evaluating:
                 self._log_eval()
             # A failed save leaves saved_at behind: the next interval, or the run's last save, tries again.
             if interval_save and self.save():
                 saved_at = self.step
+            if evaluating or interval_save:  # not training time: the next throughput starts after them
+                timed_from, timed_step = time.perf_counter(), self.step
             if verdict.preempted:
                 if saved_at != self.step and not self.save(final=True):
                     return checkpoint.EXIT_NOT_SAVED
@@ -409,9 +415,9 @@ class Trainer:
         samples = self.train_loader.consumed_samples  # this phase's, resumed runs included
         print(self.progress.summary(self.step, samples, samples * self.cfg.data.seq_len), flush=True)
 
-    def _log_step(self, metrics: dict, elapsed: float) -> None:
+    def _log_step(self, metrics: dict, step_seconds: float) -> None:
         t = self.cfg.train
-        samples_per_s = t.global_batch_size / elapsed
+        samples_per_s = t.global_batch_size / step_seconds
         tflops = self.flops_per_sample * samples_per_s / dist.get_world_size() / 1e12
         grad_norm = self.engine.get_global_grad_norm()
         metrics = {**metrics, "lr": self.engine.get_lr()[0],

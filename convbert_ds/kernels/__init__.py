@@ -10,6 +10,7 @@ so ``torch.compile(fullgraph=True)`` keeps them in its graph as opaque calls.
 from __future__ import annotations
 
 import torch
+from torch import library as torch_ops
 
 from convbert_ds.kernels import sdconv_triton
 from convbert_ds.kernels.sdconv_triton import MAX_KERNEL_SIZE, SUPPORTED_DTYPES
@@ -17,7 +18,7 @@ from convbert_ds.kernels.sdconv_triton import MAX_KERNEL_SIZE, SUPPORTED_DTYPES
 __all__ = ["triton_dynamic_conv", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES"]
 
 
-@torch.library.custom_op("convbert_ds::sdconv_forward", mutates_args=())
+@torch_ops.custom_op("convbert_ds::sdconv_forward", mutates_args=())
 def sdconv_forward(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: torch.Tensor | None,
                    store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [B, T, n, d]`` in ``values.dtype`` and the fp32 ``lse [B, n, T]`` that backward needs (``[0]``
@@ -32,7 +33,7 @@ def _(kernel_logits, values, value_mask, store_lse):
     return values.new_empty(values.shape), values.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("convbert_ds::sdconv_backward", mutates_args=())
+@torch_ops.custom_op("convbert_ds::sdconv_backward", mutates_args=())
 def sdconv_backward(grad_out: torch.Tensor, kernel_logits: torch.Tensor, values: torch.Tensor,
                     value_mask: torch.Tensor | None, lse: torch.Tensor, need_grad_logits: bool,
                     need_grad_values: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,7 +99,7 @@ def _fixed_count(can_mask: torch.Tensor, attention_mask: torch.Tensor | None, co
     """
     batch, seq_len = can_mask.shape
     real = attention_mask.sum(-1) if attention_mask is not None else torch.full((batch,), seq_len)
-    cap = min(config.max_predictions(seq_len), seq_len)
+    cap = prediction_slots(config, seq_len)  # "fixed": the cap, at most the sequence
     count = torch.round(real.to(torch.float64) * config.mask_prob).long().clamp(1, cap)  # round half to even
     count = torch.minimum(count.to(can_mask.device), can_mask.sum(-1))
     # Uniform scores, non-candidates last: the ``cap`` lowest are a uniform draw without replacement.

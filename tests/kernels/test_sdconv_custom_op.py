@@ -8,6 +8,9 @@ sees) without spending a C++ build on each test.
 import os
 
 import torch
+from torch import library as torch_ops
+
+opcheck = torch_ops.opcheck
 
 if not torch.cuda.is_available():
     # Must precede the first import of convbert_ds.kernels (see test_kernels.py).
@@ -43,16 +46,16 @@ def _inputs(masked=True, batch=2, seq_len=16, heads=2, kernel_size=5, head_dim=8
 @pytest.mark.parametrize("masked", [True, False])
 def test_opcheck_forward(masked):
     logits, values, mask, _ = _inputs(masked)
-    torch.library.opcheck(OPS.sdconv_forward, (logits, values, mask, False))
+    opcheck(OPS.sdconv_forward, (logits, values, mask, False))
     # Inputs that require grad take the autograd checks through the formula (and the backward op).
-    torch.library.opcheck(OPS.sdconv_forward, (logits.requires_grad_(), values.requires_grad_(), mask, True))
+    opcheck(OPS.sdconv_forward, (logits.requires_grad_(), values.requires_grad_(), mask, True))
 
 
 @pytest.mark.parametrize("need_logits,need_values", [(True, True), (True, False), (False, True)])
 def test_opcheck_backward(need_logits, need_values):
     logits, values, mask, grad_out = _inputs()
     _, lse = OPS.sdconv_forward(logits, values, mask, True)
-    torch.library.opcheck(OPS.sdconv_backward, (grad_out, logits, values, mask, lse, need_logits, need_values))
+    opcheck(OPS.sdconv_backward, (grad_out, logits, values, mask, lse, need_logits, need_values))
 
 
 def _eager_and_compiled(impl, masked=True):

@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/train_step.py` finds hf_electra
 
 PLAIN, ENGINE, HF = "plain PyTorch", "DeepSpeed engine", "transformers ConvBERT"
+ROW_NAMES = {"plain": PLAIN, "engine": ENGINE, "transformers": HF}  # --rows
 
 
 def build_shards(work: Path, vocab_size: int) -> Path:
@@ -80,9 +81,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    "row through plain torch.compile")
     parser.add_argument("--counts-only", action="store_true",
                         help="skip the timing: one warm-up step per row, then the ops/syncs table (fast on CPU)")
+    parser.add_argument("--rows", default="plain,engine,transformers",
+                        help="comma-separated subset of plain, engine, transformers to time (default: all three; "
+                             "a subset saves the compile time of the others with --compile-step)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="after the timing, profile 3 more steps of each row (torch.profiler): print each "
+                             "row's device busy time against its wall time and its costliest kernels, and write "
+                             "its trace to DIR/<row>.pt.trace.json.gz (Perfetto opens it)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (1 gives stable figures on a shared machine)")
     args = parser.parse_args(argv)
+    args.rows = [name.strip() for name in args.rows.split(",") if name.strip()]
+    unknown = sorted(set(args.rows) - set(ROW_NAMES))
+    if unknown or not args.rows:
+        parser.error(f"--rows {','.join(args.rows)}: unknown {unknown}; choose among {', '.join(ROW_NAMES)}")
     if args.compile_step and args.zero_stage == 3:
         parser.error("--compile-step with --zero-stage 3: ZeRO-3 gathers parameters in hooks inside the forward, "
                      "which split the graph; use --zero-stage 0-2 or --compile")
@@ -239,6 +251,30 @@ def count_rows(rows: list[Row], batch: dict) -> dict[str, Counts]:
     return counts
 
 
+def profile_rows(rows: list[Row], batches, out: Path, steps: int = 3) -> None:
+    """Each row's device time against its wall time over ``steps`` steps, with its trace written to ``out``."""
+    from convbert_ds.engine.profiling import device_time_summary
+
+    out.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    for row in rows:
+        step_batches = [next(batches) for _ in range(steps)]
+        with torch.profiler.profile(activities=activities) as profile:
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for batch in step_batches:
+                row.step(batch)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        trace = out / f"{row.name.split()[0].lower()}.pt.trace.json.gz"
+        profile.export_chrome_trace(str(trace))
+        print(f"profile of {row.name} ({steps} steps, trace {trace.name}):")
+        print("\n".join(f"  {line}" for line in device_time_summary(profile, steps, wall)))
+
+
 def print_times(times: dict[str, list[float]], flops: float, batch: int, peak: float | None) -> None:
     print(f"{'loop':<23}{'median step (s)':>16}{'samples/s':>11}{'TFLOP/s':>9}{'MFU':>7}")
     medians = {name: statistics.median(values) for name, values in times.items()}
@@ -250,6 +286,8 @@ def print_times(times: dict[str, list[float]], flops: float, batch: int, peak: f
           "only the masked ones, is extra work not credited)")
     print("ratios of median step times (below 1: the first is faster):")
     for first, second in ((ENGINE, PLAIN), (PLAIN, HF), (ENGINE, HF)):
+        if first not in medians or second not in medians:
+            continue
         ratio = medians[first] / medians[second]
         print(f"  {first} / {second}: {ratio:.3f} ({ratio - 1:+.1%}; {1 / ratio:.2f}x the throughput)")
 
@@ -295,6 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     from convbert_ds.model.convbert import check_inputs
     from convbert_ds.model.layers import compile_layers, compile_step
     from convbert_ds.model.optim import param_groups
+    from convbert_ds.model.sdconv import probe_sdconv
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -311,9 +350,12 @@ def main(argv: list[str] | None = None) -> None:
         hf = HFElectra(config)
         hf.load_from(plain)  # all three rows start from the same weights
         plain, hf = plain.to(device), hf.to(device)
+        wanted = {ROW_NAMES[name] for name in args.rows}
         if args.compile:
             compile_layers(plain), compile_layers(wrapped), compile_hf_layers(hf)
         elif args.compile_step:
+            if cuda:  # as the trainer does: sdconv_impl=auto probes the kernels eagerly, not inside the graph
+                probe_sdconv(plain, device, torch.bfloat16 if args.precision == "bf16" else torch.float32)
             compile_step(plain, cuda), compile_step(wrapped, cuda)
             hf.compile(dynamic=False, mode="reduce-overhead" if cuda else None)
         engine, _, _, _ = deepspeed.initialize(model=wrapped, config=ds_config,
@@ -324,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         graphs = args.compile_step and cuda  # compiled with mode="reduce-overhead": replayed as CUDA graphs
         rows = [plain_row(PLAIN, plain, our_loss, plain_opt, autocast, train.grad_clip, graphs),
                 engine_row(engine, graphs), plain_row(HF, hf, hf_loss, hf_opt, autocast, train.grad_clip, graphs)]
+        rows = [row for row in rows if row.name in wanted]  # compiled lazily: a row never run never compiles
         loader = iter(build_dataloader([{"path": shards}], "train", seq_len=args.seq, micro_batch_size=args.batch,
                                        progress=False))
 
@@ -337,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
         stream = batches()
         times = time_rows(rows, stream, 0 if args.counts_only else args.steps, cuda, warmup)
         counts = count_rows(rows, next(stream))
+        if args.profile:
+            profile_rows(rows, stream, args.profile)
 
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     mode = "step (transformers row: torch.compile)" if args.compile_step else \

@@ -86,3 +86,24 @@ class StepProfiler:
             print(f"profile: steps {self.section.start_step}-{self.section.start_step + self.section.steps - 1} "
                   f"({', '.join(self.section.what)}) written to {self.out} (tensorboard --logdir {self.out}, "
                   "or open a .pt.trace.json in Perfetto)", flush=True)
+
+
+def device_time_summary(profile: torch.profiler.profile, steps: int, wall_s: float, top: int = 12) -> list[str]:
+    """Lines that say whether a profiled window was bound by the device or by the host: the device's busy
+    time per step (kernels and copies, summed; one stream) against the wall time per step, the kernels
+    launched per step, and the ops that kept the device busiest."""
+    averages = profile.key_averages()
+    # Only the device's own rows (kernels, copies): an op's row repeats the time of the kernels it launched.
+    on_device = [e for e in averages if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.self_device_time_total for e in on_device)
+    launches = sum(e.count for e in on_device)
+    wall_ms, busy_ms = 1e3 * wall_s / steps, busy_us / 1e3 / steps
+    lines = [f"wall {wall_ms:.1f} ms/step, device busy {busy_ms:.1f} ms/step ({busy_ms / wall_ms:.0%}), "
+             f"{launches / steps:,.0f} kernels and copies/step"]
+    for e in sorted(on_device, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        lines.append(f"  {e.self_device_time_total / max(busy_us, 1):6.1%} "
+                     f"{e.self_device_time_total / 1e3 / steps:8.2f} ms/step x{e.count // steps:<5} {e.key[:90]}")
+    lines.append("  host: the ops with the most CPU time of their own")
+    for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top // 2]:
+        lines.append(f"  {e.self_cpu_time_total / 1e3 / steps:8.2f} ms/step x{e.count // steps:<5} {e.key[:90]}")
+    return lines

@@ -129,7 +129,7 @@ class Trainer:
                   f"{cfg.train.global_batch_size}):\n  "
                   + "\n  ".join(describe_blend(self.train_loader.dataset, run_samples)), flush=True)
         self.valid_loader = None
-        if self.plan.has_valid and cfg.eval.samples > 0:
+        if self.plan.has_valid and cfg.eval.samples > 0 and cfg.eval.interval > 0:  # never read otherwise
             self.valid_loader = build_dataloader(
                 cfg.data.sets, "valid", seq_len=cfg.data.seq_len, micro_batch_size=self.plan.micro_batch_size,
                 seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, max_samples=cfg.eval.samples,

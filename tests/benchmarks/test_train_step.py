@@ -28,3 +28,16 @@ def test_counts_only_reports_the_three_loops(tiny_corpus):
     # Our model, checked on the host and called with check=False, never waits for the device in its step.
     assert table["plain PyTorch"][1] == "0" and table["DeepSpeed engine"][1] == "0", result.stdout
     assert "median step" not in result.stdout  # --counts-only: no timing table
+
+
+def test_a_subset_of_rows_timed_and_profiled(tiny_corpus, tmp_path):
+    command = [sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--rows", "plain,engine", "--steps", "1",
+               "--preset", "tiny", "--batch", "2", "--seq", "64", "--threads", "1",
+               "--shards", str(tiny_corpus["shards"]), "--profile", str(tmp_path / "traces")]
+    result = run_group(command, timeout=180, cwd=REPO, env=env())
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "transformers ConvBERT" not in result.stdout  # not asked for: neither timed nor counted
+    assert "DeepSpeed engine / plain PyTorch:" in result.stdout
+    for row in ("plain", "deepspeed"):  # each row's trace, and its device-vs-wall line
+        assert (tmp_path / "traces" / f"{row}.pt.trace.json.gz").stat().st_size > 1000
+    assert result.stdout.count("kernels and copies/step") == 2, result.stdout

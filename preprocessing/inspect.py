@@ -4,11 +4,14 @@
 or ``python -m preprocessing.inspect SHARD_DIR/train/shard-00000`` (one shard,
 by prefix or .bin/.idx path). Shards are opened with megatron-core's own
 ``IndexedDataset``; the tokenizer comes from the manifest unless ``--tokenizer``
-names one.
+names one. ``--seq-len L [L ...]`` (default 128 512) prints, per split, how much of
+the samples at each length would be real tokens rather than padding, with documents
+packed into shared samples (``data.pack_documents: true``) and one per sample.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -16,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from convbert_ds.errors import ArgumentParser
+from convbert_ds.formats.sample_packing import MIN_SEQ_LEN, document_blocks, framed_lengths, pack_documents
 from convbert_ds.formats.shard_manifest import MANIFEST, read_manifest
 from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.shard import summary_table
@@ -47,7 +51,33 @@ def histogram(values: np.ndarray, width: int = 40) -> list[str]:
     return lines
 
 
-def _describe(prefixes: list[str], tokenizer, documents: int) -> list[str]:
+def real_token_lines(prefixes: list[str], seq_lens: list[int]) -> list[str]:
+    """For each length: the fraction of sample positions holding real tokens, documents packed together
+    and one piece of a document per sample (the rest is padding: compute spent on nothing)."""
+    lines = []
+    for seq_len in seq_lens:
+        chunks = framed = 0
+        for prefix in prefixes:
+            ds = _indexed_dataset(prefix)
+            docs, lengths = ds.document_indices, ds.sequence_lengths
+            for d0, d1 in document_blocks(docs):
+                lo, hi = int(docs[d0]), int(docs[d1])
+                block = np.asarray(lengths[lo:hi], dtype=np.int64)
+                # Token offsets and the A/B split do not change the counts: zeros and seed 0.
+                records = pack_documents(block, np.zeros_like(block), np.asarray(docs[d0:d1 + 1]) - lo, seq_len,
+                                         seed=0, shard=0)
+                chunks, framed = chunks + len(records), framed + int(framed_lengths(records).sum())
+        if not chunks:
+            lines.append(f"  real tokens at {seq_len}: no samples")
+            continue
+        packed = -(-framed // seq_len)
+        lines.append(f"  real tokens: {framed / (seq_len * packed):.1%} of {seq_len} x {packed:,} samples, documents "
+                     f"packed together (data.pack_documents: true); {framed / (seq_len * chunks):.1%} of {seq_len} x "
+                     f"{chunks:,} samples with one document each (false)")
+    return lines
+
+
+def _describe(prefixes: list[str], tokenizer, documents: int, seq_lens: list[int]) -> list[str]:
     seq_lengths, doc_tokens, shown = [], [], []
     for prefix in prefixes:
         ds = _indexed_dataset(prefix)
@@ -66,6 +96,7 @@ def _describe(prefixes: list[str], tokenizer, documents: int) -> list[str]:
         out.append(f"  tokens per sequence: mean {seq_lengths.mean():.1f}, median {np.median(seq_lengths):.0f}, "
                    f"max {seq_lengths.max():,}; per document: mean {doc_tokens.mean():.1f}, "
                    f"max {doc_tokens.max():,}")
+    out += real_token_lines(prefixes, seq_lens)
     out.append("  sequence length histogram (tokens):")
     out += histogram(seq_lengths)
     out.append("  document length histogram (tokens):")
@@ -76,7 +107,8 @@ def _describe(prefixes: list[str], tokenizer, documents: int) -> list[str]:
     return out
 
 
-def inspect_path(path: str, tokenizer_dir: str | None = None, documents: int = 3) -> str:
+def inspect_path(path: str, tokenizer_dir: str | None = None, documents: int = 3,
+                 seq_lens: tuple[int, ...] = (128, 512)) -> str:
     p = Path(path)
     if p.suffix in (".bin", ".idx"):
         p = p.with_suffix("")
@@ -88,13 +120,13 @@ def inspect_path(path: str, tokenizer_dir: str | None = None, documents: int = 3
                summary_table(manifest)]
         for name, split in manifest["splits"].items():
             out.append(f"\n[{name}]")
-            out += _describe([str(p / s["prefix"]) for s in split["shards"]], tokenizer, documents)
+            out += _describe([str(p / s["prefix"]) for s in split["shards"]], tokenizer, documents, list(seq_lens))
         return "\n".join(out)
     if Path(f"{p}.idx").is_file() and Path(f"{p}.bin").is_file():
         if tokenizer_dir is None and (p.parent.parent / MANIFEST).is_file():
             tokenizer_dir = read_manifest(p.parent.parent, verify=False)["tokenizer"]["dir"]
         tokenizer = _tokenizer(tokenizer_dir) if tokenizer_dir else None
-        return "\n".join([f"{p}:"] + _describe([str(p)], tokenizer, documents))
+        return "\n".join([f"{p}:"] + _describe([str(p)], tokenizer, documents, list(seq_lens)))
     raise PreprocessingError(f"{path}: neither a shard directory (with manifest.json) nor a shard prefix "
                              "(with .bin and .idx)")
 
@@ -112,8 +144,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("path", metavar="PREFIX_OR_DIR", help="a shard directory, or one shard's prefix/.bin/.idx")
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir for decoding; none: the manifest's")
     parser.add_argument("--documents", type=int, default=3, help="decoded documents to show per split")
+    parser.add_argument("--seq-len", type=_seq_len, nargs="+", default=[128, 512], metavar="L",
+                        help="sample lengths at which to report the real-token fraction (data.seq_len)")
     args = parser.parse_args(argv)
-    print(inspect_path(args.path, args.tokenizer, args.documents))
+    print(inspect_path(args.path, args.tokenizer, args.documents, tuple(args.seq_len)))
+
+
+def _seq_len(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < MIN_SEQ_LEN:
+        raise argparse.ArgumentTypeError(f"{text!r}: a sample length is an integer >= {MIN_SEQ_LEN}, e.g. 128")
+    return value
 
 
 if __name__ == "__main__":

@@ -123,12 +123,14 @@ class BlendedDataset(MappedRecords, torch.utils.data.Dataset):
 
 def describe_blend(dataset, run_samples: int) -> list[str]:
     """What a run of ``run_samples`` samples takes from each set of ``dataset`` (a ``BlendedDataset`` or one
-    ``PackedDataset``): its share of the samples, how many it gives, and how many epochs of it that is."""
+    ``PackedDataset``): its share of the samples, how many it gives, how many epochs of it that is, and how
+    much of its samples is real tokens (the rest is padding: compute spent on nothing)."""
     datasets = getattr(dataset, "datasets", [dataset])
     fractions = getattr(dataset, "weights", [1.0])
     lines = []
     for d, fraction in zip(datasets, fractions):
         drawn = fraction * run_samples
         lines.append(f"{d.source.shard_dir}: {fraction:.1%} of the samples, {drawn:,.0f} of its {len(d):,} "
-                     f"= {drawn / len(d):.2f} epochs")
+                     f"= {drawn / len(d):.2f} epochs; real tokens: {d.real_token_fraction():.1%} of "
+                     f"{d.seq_len} x {len(d):,} samples")
     return lines

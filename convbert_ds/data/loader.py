@@ -23,6 +23,7 @@ import torch
 
 from convbert_ds.config import ConfigError
 from convbert_ds.data.blending import BlendedDataset
+from convbert_ds.data.cross_document import CrossDocumentDataset
 from convbert_ds.data.packing import PackedDataset, check_seq_len
 from convbert_ds.data.sampler import EvalSampler, PretrainingSampler
 from convbert_ds.data.shards import check_same_tokenizer, open_split
@@ -61,9 +62,11 @@ def parse_sets(sets) -> list[tuple[Path, float]]:
 
 def build_dataset(sets, split: str, seq_len: int, seed: int = 1234, num_samples: int | None = None,
                   cache_dir: str | os.PathLike | None = None, progress: bool = True,
-                  size_exponent: float = 0.0) -> PackedDataset | BlendedDataset:
+                  size_exponent: float = 0.0, pack_documents: bool = False
+                  ) -> PackedDataset | CrossDocumentDataset | BlendedDataset:
     """One dataset over ``split`` of every set; blended when there are several, set ``i`` drawn in
     proportion to ``weight_i x len(set_i) ** size_exponent`` (temperature sampling; 0: the weights alone).
+    ``pack_documents``: samples hold several documents, with ``document_ids`` (``cross_document.py``).
 
     Every manifest is checked (and the tokenizers compared) before any index is built.
     """
@@ -71,8 +74,8 @@ def build_dataset(sets, split: str, seq_len: int, seed: int = 1234, num_samples:
     parsed = parse_sets(sets)
     splits = [open_split(path, split) for path, _ in parsed]
     check_same_tokenizer(splits)
-    datasets = [PackedDataset(s, seq_len=seq_len, seed=seed, cache_dir=cache_dir, progress=progress)
-                for s in splits]
+    kind = CrossDocumentDataset if pack_documents else PackedDataset
+    datasets = [kind(s, seq_len=seq_len, seed=seed, cache_dir=cache_dir, progress=progress) for s in splits]
     if len(datasets) == 1 and num_samples is None:
         return datasets[0]
     weights = [w * len(d) ** size_exponent for (_, w), d in zip(parsed, datasets)]
@@ -125,16 +128,18 @@ def build_dataloader(sets, split: str = TRAIN_SPLIT, *, seq_len: int, micro_batc
                      seed: int = 1234, dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0,
                      num_workers: int = 0, pin_memory: bool = False, num_samples: int | None = None,
                      max_samples: int | None = None, cache_dir: str | os.PathLike | None = None,
-                     progress: bool = True, size_exponent: float = 0.0) -> PretrainingDataLoader:
+                     progress: bool = True, size_exponent: float = 0.0,
+                     pack_documents: bool = False) -> PretrainingDataLoader:
     """Build the loader for ``split`` of ``sets`` (``data.sets``: ``[{path, weight}, ...]``).
 
     ``split == "train"``: endless, shuffled per epoch, resumable at ``consumed_samples``.
     Any other split: one fixed, unshuffled pass (at most ``max_samples`` samples,
     evenly spaced over the split), identical on every evaluation.
+    ``pack_documents``: batches also hold ``document_ids`` (several documents per sample).
     ``num_samples`` sizes the blend of several sets (default: their total size).
     """
     dataset = build_dataset(sets, split, seq_len, seed=seed, num_samples=num_samples, cache_dir=cache_dir,
-                            progress=progress, size_exponent=size_exponent)
+                            progress=progress, size_exponent=size_exponent, pack_documents=pack_documents)
     if split == TRAIN_SPLIT:
         sampler = PretrainingSampler(len(dataset), micro_batch_size, dp_rank, dp_size, seed,
                                      consumed_samples=consumed_samples)

@@ -1,6 +1,7 @@
 """Packing token shards into fixed-length ``[CLS] A [SEP] B [SEP]`` samples (BERT / ELECTRA style).
 
-How a document becomes samples (decided once, when the index is built):
+How a document becomes samples (decided once, when the index is built; the maths is
+``convbert_ds/formats/sample_packing.py``, which ``preprocessing.inspect`` also uses):
 
 1. Each sentence (one shard sequence) longer than ``budget = seq_len - 3`` is cut
    into pieces of ``budget`` tokens (the last piece shorter); no token is dropped.
@@ -38,88 +39,13 @@ from tqdm import tqdm
 from convbert_ds.config import ConfigError
 from convbert_ds.data.index_cache import MappedRecords, RecordWriter, load_or_build
 from convbert_ds.data.shards import CACHE_SUBDIR, ShardSplit, open_split
+from convbert_ds.formats.sample_packing import (MIN_SEQ_LEN, SAMPLE_DTYPE, document_blocks, framed_lengths,
+                                                pack_documents)
 from convbert_ds.formats.shard_manifest import ShardManifestError
 
 logger = logging.getLogger(__name__)
 
 INDEX_FORMAT_VERSION = 1
-MIN_SEQ_LEN = 8
-SAMPLE_DTYPE = np.dtype([("shard", "<i4"), ("start", "<i8"), ("len_a", "<i4"), ("len_b", "<i4")])
-_BLOCK_SEQUENCES = 1 << 20
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def _uniform(seed: int, shard: int, positions: np.ndarray) -> np.ndarray:
-    """Deterministic uniforms in [0, 1), one per position; independent of how the build is blocked."""
-    salt = _splitmix64(_splitmix64(np.array([seed], dtype=np.uint64)) ^ np.uint64(shard))
-    return (_splitmix64(positions.astype(np.uint64) ^ salt) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-
-
-def pack_documents(seq_lengths: np.ndarray, seq_starts: np.ndarray, doc_bounds: np.ndarray,
-                   seq_len: int, seed: int, shard: int) -> np.ndarray:
-    """Pack whole documents into sample records (``SAMPLE_DTYPE``), in corpus order.
-
-    Args:
-        seq_lengths: tokens per sentence.
-        seq_starts: token offset of each sentence in the shard's ``.bin``.
-        doc_bounds: sentence index where each document starts, plus the end (len = docs + 1).
-        seq_len, seed, shard: as for the dataset; ``shard`` is stored and salts the split RNG.
-    """
-    budget = seq_len - 3
-    seq_lengths = np.asarray(seq_lengths, dtype=np.int64)
-    seq_doc = np.repeat(np.arange(len(doc_bounds) - 1), np.diff(doc_bounds))
-
-    # 1. Units: sentences, with the ones over budget cut into budget-sized pieces; empty ones vanish.
-    pieces = -(-seq_lengths // budget)
-    unit_seq = np.repeat(np.arange(len(seq_lengths)), pieces)
-    piece_no = np.arange(len(unit_seq)) - (np.cumsum(pieces) - pieces)[unit_seq]
-    unit_start = seq_starts[unit_seq] + piece_no * budget
-    unit_len = np.minimum(budget, seq_lengths[unit_seq] - piece_no * budget)
-    unit_doc = seq_doc[unit_seq]
-    if len(unit_seq) == 0:
-        return np.empty(0, dtype=SAMPLE_DTYPE)
-    cum = np.concatenate([[0], np.cumsum(unit_len)])  # tokens before unit i (within the block)
-    doc_units = np.searchsorted(unit_doc, np.arange(len(doc_bounds)))  # first unit of each document
-
-    # 2. Greedy chunks: a chunk starting at unit i ends before the furthest unit
-    # boundary within budget, never past its document's end. Chunk starts are the
-    # orbit of each document's first unit under `nxt`, followed for all documents at once.
-    nxt = np.searchsorted(cum, cum[:-1] + budget, side="right") - 1
-    nxt = np.minimum(nxt, doc_units[unit_doc + 1])
-    nonempty = doc_units[:-1] < doc_units[1:]
-    cur, end = doc_units[:-1][nonempty], doc_units[1:][nonempty]
-    starts = []
-    while len(cur):
-        starts.append(cur)
-        cur = nxt[cur]
-        keep = cur < end
-        cur, end = cur[keep], end[keep]
-    first = np.sort(np.concatenate(starts))
-    last = nxt[first]  # one past the chunk's last unit
-    n_tok = cum[last] - cum[first]
-    n_units_in = last - first
-
-    # 3. Split into A | B: at an inner unit boundary, or inside a lone unit.
-    u = _uniform(seed, shard, unit_start[first])
-    boundary = first + 1 + np.minimum((u * (n_units_in - 1)).astype(np.int64), np.maximum(n_units_in - 2, 0))
-    len_a_multi = cum[boundary] - cum[first]
-    len_a_single = np.where(n_tok >= 2, 1 + np.minimum((u * (n_tok - 1)).astype(np.int64), n_tok - 2), n_tok)
-    len_a = np.where(n_units_in >= 2, len_a_multi, len_a_single)
-
-    records = np.empty(len(first), dtype=SAMPLE_DTYPE)
-    records["shard"] = shard
-    records["start"] = unit_start[first]
-    records["len_a"] = len_a
-    records["len_b"] = n_tok - len_a
-    return records
 
 
 def _pack_shard(split: ShardSplit, shard_no: int, seq_len: int, seed: int, writer: RecordWriter, bar) -> None:
@@ -134,10 +60,8 @@ def _pack_shard(split: ShardSplit, shard_no: int, seq_len: int, seed: int, write
     if found != listed:
         raise ShardManifestError(f"{shard.idx_path}: holds (documents, sequences, tokens, dtype) = {found} but the "
                          f"manifest lists {listed}; re-run python -m preprocessing.shard")
-    d0, n_docs, token_cursor = 0, len(docs) - 1, 0
-    while d0 < n_docs:
-        d1 = int(np.searchsorted(docs, docs[d0] + _BLOCK_SEQUENCES, side="right")) - 1
-        d1 = min(max(d1, d0 + 1), n_docs)
+    token_cursor = 0
+    for d0, d1 in document_blocks(docs):
         lo, hi = int(docs[d0]), int(docs[d1])
         block_lengths = np.array(lengths[lo:hi], dtype=np.int64)
         starts = token_cursor + np.concatenate([[0], np.cumsum(block_lengths)[:-1]])
@@ -147,7 +71,6 @@ def _pack_shard(split: ShardSplit, shard_no: int, seq_len: int, seed: int, write
         writer.append(pack_documents(block_lengths, starts, np.asarray(docs[d0:d1 + 1]) - lo, seq_len, seed, shard_no))
         token_cursor += int(block_lengths.sum())
         bar.update(hi - lo)
-        d0 = d1
 
 
 def sample_index_key(split: ShardSplit, seq_len: int, seed: int) -> str:
@@ -219,21 +142,39 @@ class PackedDataset(MappedRecords, torch.utils.data.Dataset):
         chunk = self._shard_tokens(shard)[start:start + len_a + len_b]
         return chunk[:len_a], chunk[len_a:]
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples")
-        a, b = self.tokens(int(i) % len(self))
-        # Filled in place: this runs for every sample the loader yields, so no temporary arrays.
+    def framed(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample ``i`` as ``[CLS] A [SEP] B [SEP]`` token ids and their token types (0 through the first
+        ``[SEP]``, 1 for B and its ``[SEP]``), unpadded: ``len_a + len_b + 3`` of each."""
+        a, b = self.tokens(i)
         n_a, n_b = len(a), len(b)
-        input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        input_ids = np.empty(n_a + n_b + 3, dtype=np.int64)
         input_ids[0] = self.cls_id
         input_ids[1:1 + n_a] = a
         input_ids[1 + n_a] = self.sep_id
         input_ids[2 + n_a:2 + n_a + n_b] = b
         input_ids[2 + n_a + n_b] = self.sep_id
+        token_type_ids = np.zeros(n_a + n_b + 3, dtype=np.int64)
+        token_type_ids[2 + n_a:] = 1
+        return input_ids, token_type_ids
+
+    def real_token_fraction(self) -> float:
+        """Tokens that are not padding, over ``seq_len x len(self)`` (read in blocks: bounded memory)."""
+        return framed_token_count(self._records) / (self.seq_len * len(self))
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        ids, types = self.framed(int(i) % len(self))
+        input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        input_ids[:len(ids)] = ids
         token_type_ids = np.zeros(self.seq_len, dtype=np.int64)
-        token_type_ids[2 + n_a:3 + n_a + n_b] = 1
+        token_type_ids[:len(ids)] = types
         attention_mask = np.zeros(self.seq_len, dtype=np.int64)
-        attention_mask[:3 + n_a + n_b] = 1
+        attention_mask[:len(ids)] = 1
         return {"input_ids": torch.from_numpy(input_ids), "token_type_ids": torch.from_numpy(token_type_ids),
                 "attention_mask": torch.from_numpy(attention_mask)}
+
+
+def framed_token_count(records: np.ndarray, block: int = 1 << 20) -> int:
+    """Sum of ``len_a + len_b + 3`` over ``records`` (a memmap, maybe large), a block at a time."""
+    return sum(int(framed_lengths(records[i:i + block]).sum()) for i in range(0, len(records), block))

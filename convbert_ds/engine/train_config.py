@@ -95,7 +95,11 @@ class DataSection:
     sets: Annotated[list, Key("shard directories: [{path: SHARD_DIR, weight: 1.0}, ...]")] = field(
         default_factory=list)
     seq_len: Annotated[int, Key("tokens per sample", min=MIN_SEQ_LEN)] = 128
-    seed: Annotated[int, Key("seed of the sample order and the masks")] = 1234
+    seed: Annotated[int, Key("seed of the sample order and the masks", min=0)] = 1234
+    pack_documents: Annotated[bool, Key(
+        "samples hold several documents (or pieces of them), so no compute goes to padding; attention and both "
+        "convolutions stay inside each document and its position ids restart at 0 (convbert_ds/data/"
+        "cross_document.py); false: one piece of one document per sample, padded")] = True
     num_workers: Annotated[int, Key("data-loader worker processes per rank", min=0, max=256)] = 1
     cache_dir: Annotated[str | None, Key("where sample indexes go when the shard dirs are read-only")] = None
     verify: Annotated[Literal["size", "checksum"], Key(

@@ -97,7 +97,7 @@ class Trainer:
         if self.pipelined:
             module = build_pipeline_module(self.electra, cfg.pipeline.stages, cfg.pipeline.partition_method,
                                            activation_checkpoint_interval=1 if cfg.train.activation_checkpointing
-                                           else 0, seed=cfg.train.seed)
+                                           else 0, seed=cfg.train.seed, packed=cfg.data.pack_documents)
             if cfg.model.init_from_hf:
                 load_plain_state_dict(module, self._initial_plain_model().state_dict())
             return module
@@ -122,7 +122,8 @@ class Trainer:
         self.train_loader = build_dataloader(
             cfg.data.sets, "train", seq_len=cfg.data.seq_len, micro_batch_size=self.plan.micro_batch_size,
             seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
-            cache_dir=cfg.data.cache_dir, progress=self.is_logger, size_exponent=cfg.data.size_exponent)
+            cache_dir=cfg.data.cache_dir, progress=self.is_logger, size_exponent=cfg.data.size_exponent,
+            pack_documents=cfg.data.pack_documents)
         if self.is_logger:
             run_samples = cfg.train.steps * cfg.train.global_batch_size
             print(f"data: {run_samples:,} samples over the run ({cfg.train.steps:,} steps x "
@@ -133,7 +134,8 @@ class Trainer:
             self.valid_loader = build_dataloader(
                 cfg.data.sets, "valid", seq_len=cfg.data.seq_len, micro_batch_size=self.plan.micro_batch_size,
                 seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, max_samples=cfg.eval.samples,
-                cache_dir=cfg.data.cache_dir, progress=self.is_logger, size_exponent=cfg.data.size_exponent)
+                cache_dir=cfg.data.cache_dir, progress=self.is_logger, size_exponent=cfg.data.size_exponent,
+                pack_documents=cfg.data.pack_documents)
         self.ckpt_dir = Path(cfg.checkpoint.dir)
         self.step, self.nonfinite_total = 0, 0
         self.phase = dict(FIRST_PHASE)  # which phase this run is, and what the earlier ones saw
@@ -236,7 +238,7 @@ class Trainer:
         """Checked here, on the host copy, where reading token ids costs no device sync (the model is then
         called with ``check=False``)."""
         check_inputs(self.electra.discriminator, batch["input_ids"], batch.get("attention_mask"),
-                     batch.get("token_type_ids"))
+                     batch.get("token_type_ids"), batch.get("document_ids"))
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _forward(self, batch: dict):
@@ -244,7 +246,8 @@ class Trainer:
         if self.cuda_graphs:
             # A new replay may reuse the last one's output memory: the previous micro-batch is done with it.
             torch.compiler.cudagraph_mark_step_begin()
-        return self.engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], check=False)
+        return self.engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], check=False,
+                           document_ids=batch.get("document_ids"))
 
     def _plain_step(self, batches, want_metrics: bool) -> dict:
         """One optimizer step; its metrics (mean over micro-batches) only when ``want_metrics``: reading them

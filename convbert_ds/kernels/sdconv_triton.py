@@ -4,12 +4,13 @@ Maths (see ``convbert_ds.model.sdconv``), with ``P = (K - 1) / 2``::
 
     w[t, k]   = softmax_k(logits[t, :])                       (fp32)
     out[t, :] = sum_k w[t, k] * v[t + k - P, :]                v = values * mask, zero outside [0, T)
+                                                               and, with segments, outside t's segment
 
 Backward, with ``g = dL/dout``::
 
     dw[t, k]      = <g[t, :], v[t + k - P, :]>
     dlogits[t, k] = w[t, k] * (dw[t, k] - sum_j w[t, j] dw[t, j])
-    dv[s, :]      = mask[s] * sum_k w[s - k + P, k] * g[s - k + P, :]
+    dv[s, :]      = mask[s] * sum_k w[s - k + P, k] * g[s - k + P, :]   (taps within one segment)
 
 Block layout: one program owns ``BLOCK_T`` consecutive positions of one
 (batch, head) pair and the whole head dimension (looped in ``BLOCK_D`` chunks).
@@ -72,13 +73,13 @@ def _tune_length(seq_len: int) -> int:
 @triton.autotune(configs=_configs(), key=_TUNE_KEY, cache_results=True)
 @triton.jit
 def _sdconv_fwd_kernel(
-    logits_ptr, values_ptr, mask_ptr, out_ptr, lse_ptr,
+    logits_ptr, values_ptr, mask_ptr, seg_ptr, out_ptr, lse_ptr,
     T, T_TUNE, N_HEADS, HEAD_DIM,
     sl_b, sl_t, sl_h, sl_k,
     sv_b, sv_t, sv_h, sv_d,
-    sm_b, sm_t,
+    sm_b, sm_t, ss_b, ss_t,
     KERNEL_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_MASK: tl.constexpr, STORE_LSE: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, STORE_LSE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     PAD: tl.constexpr = (KERNEL_SIZE - 1) // 2
     pid = tl.program_id(0)
@@ -100,6 +101,8 @@ def _sdconv_fwd_kernel(
         tl.store(lse_ptr + bh * T + offs_t, lse, mask=row_ok)
 
     v_base = values_ptr + b * sv_b + h * sv_h
+    if HAS_SEGMENTS:
+        own_seg = tl.load(seg_ptr + b * ss_b + offs_t * ss_t, mask=row_ok, other=-1)
     out_rows = out_ptr + (b * T * N_HEADS + h) * HEAD_DIM + offs_t * (N_HEADS * HEAD_DIM)
     for d0 in range(0, HEAD_DIM, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -109,6 +112,8 @@ def _sdconv_fwd_kernel(
             w_k = tl.exp(tl.load(l_rows + k * sl_k, mask=row_ok, other=-float("inf")).to(tl.float32) - lse)
             src = offs_t + (k - PAD)
             src_ok = (src >= 0) & (src < T)
+            if HAS_SEGMENTS:  # a tap in another document reads zero
+                src_ok = src_ok & (tl.load(seg_ptr + b * ss_b + src * ss_t, mask=src_ok, other=-2) == own_seg)
             v = tl.load(v_base + src[:, None] * sv_t + offs_d[None, :] * sv_d,
                         mask=src_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             if HAS_MASK:
@@ -121,14 +126,14 @@ def _sdconv_fwd_kernel(
 @triton.autotune(configs=_configs(), key=_TUNE_KEY, cache_results=True)
 @triton.jit
 def _sdconv_bwd_kernel(
-    logits_ptr, values_ptr, mask_ptr, lse_ptr, grad_out_ptr, grad_logits_ptr, grad_values_ptr,
+    logits_ptr, values_ptr, mask_ptr, seg_ptr, lse_ptr, grad_out_ptr, grad_logits_ptr, grad_values_ptr,
     T, T_TUNE, N_HEADS, HEAD_DIM,
     sl_b, sl_t, sl_h, sl_k,
     sv_b, sv_t, sv_h, sv_d,
-    sm_b, sm_t,
+    sm_b, sm_t, ss_b, ss_t,
     sg_b, sg_t, sg_h, sg_d,
     KERNEL_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_MASK: tl.constexpr, NEED_GRAD_LOGITS: tl.constexpr, NEED_GRAD_VALUES: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NEED_GRAD_LOGITS: tl.constexpr, NEED_GRAD_VALUES: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     PAD: tl.constexpr = (KERNEL_SIZE - 1) // 2
@@ -148,6 +153,8 @@ def _sdconv_bwd_kernel(
     row_off = (b * T * N_HEADS + h) * HEAD_DIM + offs_t * (N_HEADS * HEAD_DIM)
     if HAS_MASK:
         own_mask = tl.load(mask_ptr + b * sm_b + offs_t * sm_t, mask=row_ok, other=0.0).to(tl.float32)
+    if HAS_SEGMENTS:
+        own_seg = tl.load(seg_ptr + b * ss_b + offs_t * ss_t, mask=row_ok, other=-1)
 
     grad_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     for d0 in range(0, HEAD_DIM, BLOCK_D):
@@ -162,6 +169,8 @@ def _sdconv_bwd_kernel(
                 # dw[t, k] = <g[t], v[t + k - P]>
                 src = offs_t + (k - PAD)
                 src_ok = (src >= 0) & (src < T)
+                if HAS_SEGMENTS:
+                    src_ok = src_ok & (tl.load(seg_ptr + b * ss_b + src * ss_t, mask=src_ok, other=-2) == own_seg)
                 v = tl.load(v_base + src[:, None] * sv_t + offs_d[None, :] * sv_d,
                             mask=src_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
                 if HAS_MASK:
@@ -171,6 +180,8 @@ def _sdconv_bwd_kernel(
                 # dv[s] += w[s - k + P, k] * g[s - k + P]: row s was tap k of output row s - k + P.
                 dst = offs_t - (k - PAD)
                 dst_ok = (dst >= 0) & (dst < T)
+                if HAS_SEGMENTS:  # row s fed output row dst only within one document
+                    dst_ok = dst_ok & (tl.load(seg_ptr + b * ss_b + dst * ss_t, mask=dst_ok, other=-2) == own_seg)
                 w_k = tl.exp(tl.load(l_base + dst * sl_t + k * sl_k, mask=dst_ok, other=-float("inf")).to(tl.float32)
                              - tl.load(lse_base + dst, mask=dst_ok, other=0.0))
                 g = tl.load(g_base + dst[:, None] * sg_t + offs_d[None, :] * sg_d,
@@ -203,46 +214,50 @@ def _grid(batch: int, heads: int, seq_len: int):
     return lambda meta: (batch * heads * triton.cdiv(seq_len, meta["BLOCK_T"]),)
 
 
-def _shared_args(kernel_logits, values, value_mask) -> tuple:
-    """The mask pointer, sizes and strides, and constants that both kernels take."""
+def _shared_args(kernel_logits, values, value_mask, segments) -> tuple:
+    """The mask and segment pointers, sizes and strides, and constants that both kernels take."""
     _, seq_len, heads, kernel_size = kernel_logits.shape
     head_dim = values.shape[-1]
     mask, sm_b, sm_t = (values, 0, 0) if value_mask is None else (value_mask, *value_mask.stride())
+    seg, ss_b, ss_t = (values, 0, 0) if segments is None else (segments, *segments.stride())
     sizes_and_strides = (seq_len, _tune_length(seq_len), heads, head_dim, *kernel_logits.stride(), *values.stride(),
-                         sm_b, sm_t)
-    meta = dict(KERNEL_SIZE=kernel_size, HAS_MASK=value_mask is not None, **_block_sizes(kernel_size, head_dim))
-    return mask, sizes_and_strides, meta
+                         sm_b, sm_t, ss_b, ss_t)
+    meta = dict(KERNEL_SIZE=kernel_size, HAS_MASK=value_mask is not None, HAS_SEGMENTS=segments is not None,
+                **_block_sizes(kernel_size, head_dim))
+    return (mask, seg), sizes_and_strides, meta
 
 
-def forward_args(kernel_logits, values, value_mask, out, lse, store_lse: bool) -> tuple[tuple, dict]:
+def forward_args(kernel_logits, values, value_mask, segments, out, lse, store_lse: bool) -> tuple[tuple, dict]:
     """Positional arguments and compile-time constants of ``_sdconv_fwd_kernel``."""
-    mask, sizes_and_strides, meta = _shared_args(kernel_logits, values, value_mask)
-    return (kernel_logits, values, mask, out, lse, *sizes_and_strides), dict(meta, STORE_LSE=store_lse)
+    masks, sizes_and_strides, meta = _shared_args(kernel_logits, values, value_mask, segments)
+    return (kernel_logits, values, *masks, out, lse, *sizes_and_strides), dict(meta, STORE_LSE=store_lse)
 
 
-def backward_args(grad_out, kernel_logits, values, value_mask, lse, grad_logits, grad_values) -> tuple[tuple, dict]:
+def backward_args(grad_out, kernel_logits, values, value_mask, segments, lse, grad_logits, grad_values
+                  ) -> tuple[tuple, dict]:
     """Positional arguments and compile-time constants of ``_sdconv_bwd_kernel``; a ``None`` gradient is skipped."""
-    mask, sizes_and_strides, meta = _shared_args(kernel_logits, values, value_mask)
-    args = (kernel_logits, values, mask, lse, grad_out,
+    masks, sizes_and_strides, meta = _shared_args(kernel_logits, values, value_mask, segments)
+    args = (kernel_logits, values, *masks, lse, grad_out,
             values if grad_logits is None else grad_logits, values if grad_values is None else grad_values,
             *sizes_and_strides, *grad_out.stride())
     return args, dict(meta, NEED_GRAD_LOGITS=grad_logits is not None, NEED_GRAD_VALUES=grad_values is not None)
 
 
 def sdconv_forward(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: torch.Tensor | None,
-                   store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   segments: torch.Tensor | None, store_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel; returns ``out [B, T, n, d]`` and ``lse [B, n, T]`` (fp32, empty if not stored)."""
     batch, seq_len, heads, _ = kernel_logits.shape
     out = torch.empty(values.shape, dtype=values.dtype, device=values.device)
     lse = torch.empty((batch, heads, seq_len) if store_lse else (0,), dtype=torch.float32, device=values.device)
     if out.numel() > 0:
-        args, meta = forward_args(kernel_logits, values, value_mask, out, lse, store_lse)
+        args, meta = forward_args(kernel_logits, values, value_mask, segments, out, lse, store_lse)
         _sdconv_fwd_kernel[_grid(batch, heads, seq_len)](*args, **meta)
     return out, lse
 
 
 def sdconv_backward(grad_out: torch.Tensor, kernel_logits: torch.Tensor, values: torch.Tensor,
-                    value_mask: torch.Tensor | None, lse: torch.Tensor, need_grad_logits: bool,
+                    value_mask: torch.Tensor | None, segments: torch.Tensor | None, lse: torch.Tensor,
+                    need_grad_logits: bool,
                     need_grad_values: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel; returns ``(grad_logits, grad_values)``, ``None`` where not needed."""
     batch, seq_len, heads, _ = kernel_logits.shape
@@ -251,6 +266,6 @@ def sdconv_backward(grad_out: torch.Tensor, kernel_logits: torch.Tensor, values:
     grad_values = torch.empty(values.shape, dtype=values.dtype, device=values.device) if need_grad_values else None
     if values.numel() == 0:  # head_dim 0 leaves dw = 0, so dlogits = 0
         return (None if grad_logits is None else grad_logits.zero_()), grad_values
-    args, meta = backward_args(grad_out, kernel_logits, values, value_mask, lse, grad_logits, grad_values)
+    args, meta = backward_args(grad_out, kernel_logits, values, value_mask, segments, lse, grad_logits, grad_values)
     _sdconv_bwd_kernel[_grid(batch, heads, seq_len)](*args, **meta)
     return grad_logits, grad_values

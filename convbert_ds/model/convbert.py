@@ -20,7 +20,8 @@ from torch import nn
 from convbert_ds.config import ModelConfig
 from convbert_ds.errors import UserError
 from convbert_ds.model import hf_io
-from convbert_ds.model.layers import ACTIVATIONS, ConvBertEmbeddings, ConvBertLayer, init_weights, padding_masks
+from convbert_ds.model.layers import (ACTIVATIONS, ConvBertEmbeddings, ConvBertLayer, document_positions,
+                                      init_weights, padding_masks)
 
 
 class InputError(UserError, ValueError):
@@ -28,7 +29,7 @@ class InputError(UserError, ValueError):
 
 
 def check_inputs(config: ModelConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 token_type_ids: torch.Tensor | None) -> None:
+                 token_type_ids: torch.Tensor | None, document_ids: torch.Tensor | None = None) -> None:
     """Reject bad inputs with a message, before they become an index error deep inside torch."""
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
         raise InputError(f"input_ids must be an integer tensor [batch, seq_len], got {input_ids.dtype} "
@@ -37,7 +38,8 @@ def check_inputs(config: ModelConfig, input_ids: torch.Tensor, attention_mask: t
     if seq_len > config.max_position_embeddings:
         raise InputError(f"sequence length {seq_len} exceeds max_position_embeddings="
                          f"{config.max_position_embeddings}; truncate the inputs or use a longer-context model")
-    for name, mask in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+    for name, mask in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids),
+                       ("document_ids", document_ids)):
         if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
             raise InputError(f"{name} has shape {tuple(mask.shape)}, expected {tuple(input_ids.shape)} "
                              "like input_ids")
@@ -100,13 +102,17 @@ class ConvBertModel(HFInterop, nn.Module):
                 init_weights(module, config.initializer_range)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, check: bool = True,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``document_ids`` ``[B, T]`` (packed samples: 1, 2, ... per document, 0 on padding): each document
+        is computed as if alone, its position ids restarting at 0."""
         if check:
-            check_inputs(self.config, input_ids, attention_mask, token_type_ids)
-        hidden = self.embeddings(input_ids, token_type_ids)
+            check_inputs(self.config, input_ids, attention_mask, token_type_ids, document_ids)
+        positions = None if document_ids is None else document_positions(document_ids)
+        hidden = self.embeddings(input_ids, token_type_ids, positions)
         if hasattr(self, "embeddings_project"):
             hidden = self.embeddings_project(hidden)
-        masks = padding_masks(attention_mask)  # once per body, not once per layer
+        masks = padding_masks(attention_mask, document_ids, self.config.conv_kernel_size)  # once per body
         for layer in self.encoder.layer:
             if self.gradient_checkpointing and self.training:
                 hidden = torch.utils.checkpoint.checkpoint(layer, hidden, masks, use_reentrant=False)
@@ -178,8 +184,10 @@ class ConvBertForPreTraining(nn.Module):
         self.discriminator_predictions.apply(lambda m: init_weights(m, config.initializer_range))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
-        return self.discriminator_predictions(self.convbert(input_ids, attention_mask, token_type_ids, check))
+                token_type_ids: torch.Tensor | None = None, check: bool = True,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.discriminator_predictions(
+            self.convbert(input_ids, attention_mask, token_type_ids, check, document_ids))
 
 
 class ConvBertClassificationHead(nn.Module):

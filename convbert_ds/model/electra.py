@@ -236,21 +236,25 @@ class ElectraForPretraining(nn.Module):
             self.generator = ConvBertForMaskedLM(config.generator, self.discriminator.convbert.embeddings, shared_body)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, check: bool = True) -> PretrainingOutput:
+                token_type_ids: torch.Tensor | None = None, check: bool = True,
+                document_ids: torch.Tensor | None = None) -> PretrainingOutput:
         """``check=False``: the caller has checked these inputs (the trainer checks each batch on the host,
-        where reading its values costs no device sync); the step then never waits for the device."""
+        where reading its values costs no device sync); the step then never waits for the device.
+        ``document_ids``: packed samples (``ConvBertModel.forward``); both bodies keep documents apart."""
         config = self.config
         if check:
-            check_inputs(config.discriminator, input_ids, attention_mask, token_type_ids)
+            check_inputs(config.discriminator, input_ids, attention_mask, token_type_ids, document_ids)
         masking = mask_tokens(input_ids, attention_mask, config)
-        hidden = self.generator.convbert(masking.masked_ids, attention_mask, token_type_ids, check=False)
+        hidden = self.generator.convbert(masking.masked_ids, attention_mask, token_type_ids, check=False,
+                                         document_ids=document_ids)
         mlm, mlm_acc, sampled = mlm_loss_and_sample(self.generator, hidden, input_ids, masking.positions,
                                                     masking.chosen, config.temperature,
                                                     sample=self.discriminator is not None)
         if self.discriminator is None:
             return PretrainingOutput(mlm, mlm.detach(), mlm_acc)
         corrupted, is_replaced = corrupt(input_ids, masking.positions, masking.chosen, sampled)
-        rtd_logits = self.discriminator(corrupted, attention_mask, token_type_ids, check=False)
+        rtd_logits = self.discriminator(corrupted, attention_mask, token_type_ids, check=False,
+                                        document_ids=document_ids)
         return electra_output(mlm, mlm_acc, rtd_logits, is_replaced, attention_mask, config.rtd_weight)
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from convbert_ds.config import ModelConfig
-from convbert_ds.model.sdconv import dynamic_conv
+from convbert_ds.model.sdconv import dynamic_conv, same_segment_taps
 
 ACTIVATIONS = {  # config.hidden_act -> function
     "gelu": F.gelu,
@@ -28,16 +28,37 @@ ACTIVATIONS = {  # config.hidden_act -> function
 
 
 class PaddingMasks(NamedTuple):
-    """A body's padding mask in the two forms its layers use, built once per forward, not once per layer."""
+    """A body's masks in the forms its layers use, built once per forward, not once per layer.
+
+    With ``documents`` (packed samples: several documents per row), every token sees only its own document:
+    attention is block-diagonal and both convolutions restart at each boundary, so a document's outputs are
+    what it gives alone (``tests/model/test_packed_documents.py``).
+    """
 
     tokens: torch.Tensor  # [B, T], 1 = token, 0 = padding (the SDConv value mask)
-    attention: torch.Tensor  # [B, 1, 1, T] bool (scaled_dot_product_attention's mask)
+    attention: torch.Tensor  # scaled_dot_product_attention's bool mask: [B, 1, 1, T], or [B, 1, T, T] packed
+    documents: torch.Tensor | None = None  # [B, T] document ids (0 = padding), packed samples only
+    conv_taps: torch.Tensor | None = None  # [B, T, K] 1 = conv tap inside the token's document, packed only
 
 
-def padding_masks(attention_mask: torch.Tensor | PaddingMasks | None) -> PaddingMasks | None:
-    if attention_mask is None or isinstance(attention_mask, PaddingMasks):
+def padding_masks(attention_mask: torch.Tensor | PaddingMasks | None, document_ids: torch.Tensor | None = None,
+                  kernel_size: int = 1) -> PaddingMasks | None:
+    if isinstance(attention_mask, PaddingMasks):
         return attention_mask
-    return PaddingMasks(attention_mask, attention_mask[:, None, None, :].bool())
+    if document_ids is None:
+        return None if attention_mask is None else PaddingMasks(attention_mask, attention_mask[:, None, None, :].bool())
+    tokens = (document_ids > 0).long() if attention_mask is None else attention_mask
+    # Padding (id 0) sees padding only, so no row of the attention is empty (an all-masked row gives NaN).
+    same_document = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+    return PaddingMasks(tokens, same_document, document_ids, same_segment_taps(document_ids, kernel_size))
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` position ids that restart at 0 where each document starts (and where padding starts)."""
+    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 class ConvBertEmbeddings(nn.Module):
@@ -51,8 +72,10 @@ class ConvBertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.embedding_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
         if token_type_ids is None:
             embeddings = embeddings + self.token_type_embeddings.weight[0]
@@ -82,9 +105,17 @@ class SeparableConv1D(nn.Module):
         nn.init.trunc_normal_(self.pointwise.weight, 0.0, std, -2 * std, 2 * std)
         self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[B, T, C_in]`` -> ``[B, T, C_out]``."""
-        return (self.pointwise(self.depthwise(x.transpose(1, 2))) + self.bias).transpose(1, 2)
+    def forward(self, x: torch.Tensor, taps: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: ``[B, T, C_in]`` -> ``[B, T, C_out]``; ``taps`` ``[B, T, K]``: 0 where a tap must read zero
+        (it lies in another document than its output position)."""
+        if taps is None:
+            return (self.pointwise(self.depthwise(x.transpose(1, 2))) + self.bias).transpose(1, 2)
+        # Packed documents: the window's taps depend on the position, so no conv1d: each position's K-tap
+        # window (a view), weighted per channel, contracted with its taps (one einsum, not K shifted adds).
+        kernel_size = self.depthwise.kernel_size[0]
+        windows = F.pad(x, (0, 0, kernel_size // 2, kernel_size // 2)).unfold(1, kernel_size, 1)  # [B, T, C, K]
+        mixed = torch.einsum("btck,btk->btc", windows * self.depthwise.weight[:, 0, :], taps.to(x.dtype))
+        return F.linear(mixed, self.pointwise.weight[:, :, 0]) + self.bias[:, 0]
 
 
 class ConvBertSelfAttention(nn.Module):
@@ -133,15 +164,17 @@ class ConvBertSelfAttention(nn.Module):
         if conv_type == "none":
             return context
         if conv_type == "conventional":
-            conv = self.key_conv_attn_layer(hidden_states)
+            conv = self.key_conv_attn_layer(hidden_states, None if masks is None else masks.conv_taps)
         else:
             # The unscaled query gates the span-aware key (sdconv) or alone makes the kernel (dynamic).
-            kernel_input = query * self.key_conv_attn_layer(hidden_states) if conv_type == "sdconv" else query
+            taps = None if masks is None else masks.conv_taps
+            kernel_input = query * self.key_conv_attn_layer(hidden_states, taps) if conv_type == "sdconv" else query
             kernel_logits = self.conv_kernel_layer(kernel_input).view(batch, seq_len, self.num_heads,
                                                                       self.kernel_size)
             value_mask = masks.tokens if self.config.sdconv_mask_padding and masks is not None else None
             conv = dynamic_conv(kernel_logits, self._heads(self.conv_out_layer(hidden_states)), value_mask,
-                                impl=self.config.sdconv_impl).reshape(batch, seq_len, -1)
+                                impl=self.config.sdconv_impl, segments=None if masks is None else masks.documents
+                                ).reshape(batch, seq_len, -1)
         return torch.cat([context, conv], dim=-1)
 
 

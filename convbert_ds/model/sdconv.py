@@ -7,7 +7,10 @@ batch ``b``, position ``t`` and conv head ``h``::
     out[b, t, h, :] = sum_k w[b, t, h, k] * values[b, t + k - (K-1)/2, h, :]
 
 with ``values`` zero outside ``[0, T)`` ("same" padding). The kernel is shared
-by the ``d`` channels of a head. This is exactly what transformers' ConvBERT
+by the ``d`` channels of a head. With ``segments`` (``[B, T]`` integer ids: the
+documents packed into one sample), a tap whose position lies in another segment
+than ``t`` reads zero too: the convolution restarts at every document boundary,
+as it does at the ends of the sequence (the softmax still spans all K taps). This is exactly what transformers' ConvBERT
 computes with ``nn.functional.unfold`` + ``matmul``, but the reference below
 never builds the K-times copy of ``values``: it adds K shifted views.
 
@@ -49,12 +52,14 @@ class _ReferenceDynamicConv(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, kernel_logits, values, value_mask):
+    def forward(ctx, kernel_logits, values, value_mask, segments):
         kernel_size, seq_len = kernel_logits.shape[-1], values.shape[1]
         pad = (kernel_size - 1) // 2
         compute_dtype = torch.float32 if values.dtype in _LOW_PRECISION else values.dtype
         softmax_dtype = torch.float32 if kernel_logits.dtype in _LOW_PRECISION else kernel_logits.dtype
-        weights = torch.softmax(kernel_logits.to(softmax_dtype), dim=-1).to(compute_dtype)
+        probs = torch.softmax(kernel_logits.to(softmax_dtype), dim=-1).to(compute_dtype)
+        # Taps into another segment read zero: the same as zeroing their weight after the softmax.
+        weights = probs if segments is None else probs * same_segment_taps(segments, kernel_size)[:, :, None, :]
         values = values.to(compute_dtype)
         if value_mask is not None:
             values = values * value_mask[:, :, None, None].to(compute_dtype)
@@ -62,13 +67,13 @@ class _ReferenceDynamicConv(torch.autograd.Function):
         out = weights[..., 0, None] * padded[:, :seq_len]
         for k in range(1, kernel_size):
             out.addcmul_(weights[..., k, None], padded[:, k:k + seq_len])
-        ctx.save_for_backward(weights, padded, value_mask)
+        ctx.save_for_backward(probs, weights, padded, value_mask)
         ctx.dtypes = (kernel_logits.dtype, ctx.needs_input_grad)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        weights, padded, value_mask = ctx.saved_tensors
+        probs, weights, padded, value_mask = ctx.saved_tensors
         logits_dtype, needs = ctx.dtypes
         kernel_size, seq_len = weights.shape[-1], grad_out.shape[1]
         pad = (kernel_size - 1) // 2
@@ -77,8 +82,10 @@ class _ReferenceDynamicConv(torch.autograd.Function):
         if needs[0]:
             grad_weights = torch.stack(
                 [(grad_out * padded[:, k:k + seq_len]).sum(-1) for k in range(kernel_size)], dim=-1)
-            # Softmax backward: w * (g - <g, w>).
-            grad_logits = weights * (grad_weights - (grad_weights * weights).sum(-1, keepdim=True))
+            if weights is not probs:  # through the segment mask m: d(p * m)/dp = m (where p is 0 it is moot)
+                grad_weights = grad_weights * (weights != 0)
+            # Softmax backward: p * (g - <g, p>).
+            grad_logits = probs * (grad_weights - (grad_weights * probs).sum(-1, keepdim=True))
             grad_logits = grad_logits.to(logits_dtype)
         if needs[1]:
             grad_padded = torch.zeros_like(padded)
@@ -87,11 +94,23 @@ class _ReferenceDynamicConv(torch.autograd.Function):
             grad_values = grad_padded[:, pad:pad + seq_len]
             if value_mask is not None:
                 grad_values = grad_values * value_mask[:, :, None, None].to(grad_values.dtype)
-        return grad_logits, grad_values, None
+        return grad_logits, grad_values, None, None
+
+
+def same_segment_taps(segments: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """``[B, T, K]`` float mask: 1 where tap ``k`` of position ``t`` (position ``t + k - (K-1)/2``) lies inside
+    the sequence and in the same segment as ``t``, else 0."""
+    pad = (kernel_size - 1) // 2
+    seq_len = segments.shape[1]
+    outside = torch.iinfo(torch.int64).min  # no segment has this id
+    padded = F.pad(segments.long(), (pad, pad), value=outside)
+    taps = torch.stack([padded[:, k:k + seq_len] for k in range(kernel_size)], dim=-1)
+    return (taps == segments.long()[:, :, None]).float()
 
 
 def dynamic_conv_reference(kernel_logits: torch.Tensor, values: torch.Tensor,
-                           value_mask: torch.Tensor | None = None) -> torch.Tensor:
+                           value_mask: torch.Tensor | None = None,
+                           segments: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-PyTorch dynamic convolution; see the module docstring for the maths.
 
     Args:
@@ -100,23 +119,27 @@ def dynamic_conv_reference(kernel_logits: torch.Tensor, values: torch.Tensor,
         value_mask: optional ``[B, T]``, nonzero where the position is a real
             token; padded positions then contribute nothing to their neighbours.
             transformers does not mask, so parity needs ``None``.
+        segments: optional ``[B, T]`` integer ids (packed documents; padding its own id): taps that
+            cross into another segment read zero.
     Returns:
         ``[B, T, n, d]`` in ``values.dtype``. Half-precision inputs are
         accumulated in fp32.
     """
-    _check_shapes(kernel_logits, values, value_mask)
-    return _ReferenceDynamicConv.apply(kernel_logits, values, value_mask).to(values.dtype)
+    _check_shapes(kernel_logits, values, value_mask, segments)
+    return _ReferenceDynamicConv.apply(kernel_logits, values, value_mask, segments).to(values.dtype)
 
 
-def _check_shapes(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: torch.Tensor | None) -> None:
+def _check_shapes(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: torch.Tensor | None,
+                  segments: torch.Tensor | None = None) -> None:
     if kernel_logits.dim() != 4 or values.dim() != 4 or kernel_logits.shape[:3] != values.shape[:3]:
         raise ValueError(
             f"dynamic_conv expects kernel_logits [B, T, n, K] and values [B, T, n, d] with the same B, T, n; "
             f"got {tuple(kernel_logits.shape)} and {tuple(values.shape)}")
     if kernel_logits.shape[-1] % 2 == 0:
         raise ValueError(f"dynamic_conv needs an odd kernel size, got K={kernel_logits.shape[-1]}")
-    if value_mask is not None and tuple(value_mask.shape) != tuple(values.shape[:2]):
-        raise ValueError(f"value_mask must be [B, T] = {tuple(values.shape[:2])}, got {tuple(value_mask.shape)}")
+    for name, mask in (("value_mask", value_mask), ("segments", segments)):
+        if mask is not None and tuple(mask.shape) != tuple(values.shape[:2]):
+            raise ValueError(f"{name} must be [B, T] = {tuple(values.shape[:2])}, got {tuple(mask.shape)}")
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -150,11 +173,12 @@ def triton_unusable_reason(device: torch.device, logits_dtype: torch.dtype, valu
     logits = (2 * torch.randn(*shape, kernel_size, generator=gen)).to(device, logits_dtype)
     values = torch.randn(*shape, head_dim, generator=gen).to(device, values_dtype)
     mask = (torch.arange(shape[1]) < 33).expand(shape[0], -1).to(device)
+    segments = (torch.arange(shape[1]) >= 17).long().expand(shape[0], -1).to(device)  # a document boundary
     grad_out = torch.randn(*shape, head_dim, generator=gen).to(device, values_dtype)
     try:
         from convbert_ds.kernels import triton_dynamic_conv  # inside the try: importing Triton can fail too
         with torch.enable_grad():  # the first call may come from an evaluation under no_grad
-            results = [_value_and_grads(fn, logits, values, mask, grad_out)
+            results = [_value_and_grads(fn, logits, values, mask, segments, grad_out)
                        for fn in (triton_dynamic_conv, dynamic_conv_reference)]
         # Relative to each tensor's largest value: accumulation order, and one rounding in half precision.
         tolerance = 1e-4 if values_dtype == torch.float32 else 2e-2
@@ -171,14 +195,14 @@ def triton_unusable_reason(device: torch.device, logits_dtype: torch.dtype, valu
     return reason
 
 
-def _value_and_grads(fn, logits, values, mask, grad_out) -> tuple[torch.Tensor, ...]:
+def _value_and_grads(fn, logits, values, mask, segments, grad_out) -> tuple[torch.Tensor, ...]:
     logits, values = logits.detach().requires_grad_(), values.detach().requires_grad_()
-    out = fn(logits, values, mask)
+    out = fn(logits, values, mask, segments)
     return (out, *torch.autograd.grad(out, (logits, values), grad_out))
 
 
 def dynamic_conv(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: torch.Tensor | None = None,
-                 impl: str = "auto") -> torch.Tensor:
+                 impl: str = "auto", segments: torch.Tensor | None = None) -> torch.Tensor:
     """Dynamic convolution through the chosen implementation (see module docstring)."""
     chosen = resolve_impl(impl, values.device)
     if chosen == "triton" and impl == "auto":
@@ -190,8 +214,8 @@ def dynamic_conv(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: 
     if chosen == "triton":
         # Here, not at the top: triton is slow to import, and CPU runs never need it.
         from convbert_ds.kernels import triton_dynamic_conv
-        return triton_dynamic_conv(kernel_logits, values, value_mask)
-    return dynamic_conv_reference(kernel_logits, values, value_mask)
+        return triton_dynamic_conv(kernel_logits, values, value_mask, segments)
+    return dynamic_conv_reference(kernel_logits, values, value_mask, segments)
 
 
 def probe_sdconv(model: torch.nn.Module | ModelConfig, device: torch.device | str,

@@ -107,6 +107,7 @@ def test_the_run_plan_says_what_each_set_gives_in_epochs(sets, tmp_path):
     blend = build_dataset([{"path": sets[0], "weight": 3.0}, {"path": sets[1], "weight": 1.0}], "train",
                           seq_len=64, seed=1, cache_dir=tmp_path, progress=False)
     big, small = (len(d) for d in blend.datasets)
+    real = [f"real tokens: {d.real_token_fraction():.1%} of 64 x {len(d):,} samples" for d in blend.datasets]
     lines = describe_blend(blend, run_samples=4000)
-    assert lines == [f"{sets[0]}: 75.0% of the samples, 3,000 of its {big:,} = {3000 / big:.2f} epochs",
-                     f"{sets[1]}: 25.0% of the samples, 1,000 of its {small:,} = {1000 / small:.2f} epochs"]
+    assert lines == [f"{sets[0]}: 75.0% of the samples, 3,000 of its {big:,} = {3000 / big:.2f} epochs; {real[0]}",
+                     f"{sets[1]}: 25.0% of the samples, 1,000 of its {small:,} = {1000 / small:.2f} epochs; {real[1]}"]

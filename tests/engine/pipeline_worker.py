@@ -67,8 +67,9 @@ def engine_for(module, ds: dict):
                                 model_parameters=[p for p in module.parameters() if p.requires_grad])[0]
 
 
-def random_batch(generator: torch.Generator, vocab_size: int) -> dict[str, torch.Tensor]:
-    """[CLS] words [SEP] then padding; different lengths per row."""
+def random_batch(generator: torch.Generator, vocab_size: int, packed: bool = False) -> dict[str, torch.Tensor]:
+    """[CLS] words [SEP] then padding; different lengths per row. ``packed``: each row's words are cut into
+    documents of random lengths, each starting with [CLS], with their ``document_ids``."""
     input_ids = torch.randint(5, vocab_size, (MICRO_BATCH, SEQ_LEN), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     for row in range(MICRO_BATCH):
@@ -77,11 +78,17 @@ def random_batch(generator: torch.Generator, vocab_size: int) -> dict[str, torch
         input_ids[row, length:], attention_mask[row, length:] = PAD, 0
     token_type_ids = torch.zeros_like(input_ids)
     token_type_ids[:, SEQ_LEN // 2:] = attention_mask[:, SEQ_LEN // 2:]
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+    if packed:
+        starts = torch.rand(MICRO_BATCH, SEQ_LEN, generator=generator) < 0.15
+        starts[:, 0] = True
+        input_ids[starts & (attention_mask == 1)] = CLS
+        batch["document_ids"] = starts.long().cumsum(1) * attention_mask
+    return batch
 
 
 def parity_run(objective: str, zero_stage: int, partition_method: str, num_stages: int = 2,
-               activation_checkpoint_interval: int = 0, steps: int = 2) -> dict:
+               activation_checkpoint_interval: int = 0, steps: int = 2, packed: bool = False) -> dict:
     """Pipeline vs plain model: same weights, batches and random streams; AdamW steps on both, then an eval step.
 
     With more ranks than stages the replicas see different batches; the plain model sees all of them.
@@ -91,7 +98,7 @@ def parity_run(objective: str, zero_stage: int, partition_method: str, num_stage
     torch.manual_seed(0)
     plain = ElectraForPretraining(config)
     module = build_pipeline_module(config, num_stages, partition_method=partition_method, seed=STREAM_SEED,
-                                   activation_checkpoint_interval=activation_checkpoint_interval)
+                                   activation_checkpoint_interval=activation_checkpoint_interval, packed=packed)
     load_plain_state_dict(module, plain.state_dict())
     engine = engine_for(module, ds_config(zero_stage))
     optimizer = torch.optim.AdamW(plain.parameters(), **ADAMW)
@@ -103,7 +110,7 @@ def parity_run(objective: str, zero_stage: int, partition_method: str, num_stage
     result = {"pipe": [], "plain": [], "returned_loss": [], "stage_starts": [int(i) for i in module.parts]}
     for step in range(steps + 1):  # training steps, then one eval_batch
         training = step < steps
-        batches = [[random_batch(data, vocab_size) for _ in range(MICRO_BATCHES)] for _ in range(replicas)]
+        batches = [[random_batch(data, vocab_size, packed) for _ in range(MICRO_BATCHES)] for _ in range(replicas)]
         mine = iter(map(pipeline_batch, batches[module.mpu().get_data_parallel_rank()]))
         loss = engine.train_batch(mine) if training else engine.eval_batch(mine)
         result["returned_loss"].append(float(loss))
@@ -204,6 +211,7 @@ def main() -> None:
             "electra_zero1_activation_checkpointing": parity_run("electra", 1, "parameters",
                                                                  activation_checkpoint_interval=1),
             "mlm_zero1": parity_run("mlm", 1, "uniform"),
+            "electra_zero1_packed_documents": parity_run("electra", 1, "parameters", packed=True),
             "checkpoint_zero0": checkpoint_run(0, out_dir / "ckpt0"),
             "checkpoint_zero1": checkpoint_run(1, out_dir / "ckpt1"),
         }

@@ -67,7 +67,7 @@ def _assert_matches_plain(runs: list[dict]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["electra_zero0", "electra_zero1", "electra_zero1_activation_checkpointing",
-                                 "mlm_zero1"])
+                                 "mlm_zero1", "electra_zero1_packed_documents"])
 def test_pipeline_equals_plain_model(parity, run):
     """First step: loss and every metric; second step (after an AdamW step on both): again, which also
     checks the gradients, the tied table's included, and ZeRO-1's gradient clipping across stages;

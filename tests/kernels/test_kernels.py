@@ -135,3 +135,17 @@ def test_cpu_tensors_rejected_outside_interpreter(monkeypatch):
     monkeypatch.setattr(sdconv_triton, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="need a GPU"):
         triton_dynamic_conv(torch.zeros(1, 4, 2, 3), torch.zeros(1, 4, 2, 8))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_segments_match_reference(masked):
+    """Packed documents: taps across a segment boundary read zero, in the kernels as in the reference
+    (boundaries inside and at the edges of the interpreter's 16-position blocks; padding its own segment)."""
+    logits, values, mask, grad_out = _inputs(2, 37, 2, 8, 9, masked=masked, seed=3)
+    lengths = ([5, 11, 1, 16, 4], [16, 16, 5])  # segment lengths per row; the last segment of row 0 is padding
+    segments = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+    segments = segments.to(DEVICE)
+    fused = _run(lambda l, v, m: triton_dynamic_conv(l, v, m, segments), logits, values, mask, grad_out)
+    reference = _run(lambda l, v, m: dynamic_conv_reference(l, v, m, segments), logits, values, mask, grad_out)
+    for got, want in zip(fused, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

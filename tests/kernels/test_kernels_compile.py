@@ -51,10 +51,13 @@ def compile_kernels(arch: int = 90) -> list[str]:
         logits = torch.empty(batch, seq_len, heads, kernel_size, dtype=dtype)
         values = torch.empty(batch, seq_len, heads, head_dim, dtype=dtype)
         mask = torch.empty(batch, seq_len) if masked else None
+        segments = torch.empty(batch, seq_len, dtype=torch.int32) if masked else None  # packed documents
         lse = torch.empty(batch, heads, seq_len)
-        done.append(build(sd._sdconv_fwd_kernel, *sd.forward_args(logits, values, mask, values, lse, masked)))
+        done.append(build(sd._sdconv_fwd_kernel,
+                          *sd.forward_args(logits, values, mask, segments, values, lse, masked)))
         grads = (logits, values) if masked else (None, values)
-        done.append(build(sd._sdconv_bwd_kernel, *sd.backward_args(values, logits, values, mask, lse, *grads)))
+        done.append(build(sd._sdconv_bwd_kernel,
+                          *sd.backward_args(values, logits, values, mask, segments, lse, *grads)))
     return done
 
 

@@ -46,16 +46,17 @@ def _inputs(masked=True, batch=2, seq_len=16, heads=2, kernel_size=5, head_dim=8
 @pytest.mark.parametrize("masked", [True, False])
 def test_opcheck_forward(masked):
     logits, values, mask, _ = _inputs(masked)
-    opcheck(OPS.sdconv_forward, (logits, values, mask, False))
+    segments = None if mask is None else (mask.cumsum(1) // 7).int()  # packed documents, with the mask
+    opcheck(OPS.sdconv_forward, (logits, values, mask, segments, False))
     # Inputs that require grad take the autograd checks through the formula (and the backward op).
-    opcheck(OPS.sdconv_forward, (logits.requires_grad_(), values.requires_grad_(), mask, True))
+    opcheck(OPS.sdconv_forward, (logits.requires_grad_(), values.requires_grad_(), mask, segments, True))
 
 
 @pytest.mark.parametrize("need_logits,need_values", [(True, True), (True, False), (False, True)])
 def test_opcheck_backward(need_logits, need_values):
     logits, values, mask, grad_out = _inputs()
-    _, lse = OPS.sdconv_forward(logits, values, mask, True)
-    opcheck(OPS.sdconv_backward, (grad_out, logits, values, mask, lse, need_logits, need_values))
+    _, lse = OPS.sdconv_forward(logits, values, mask, None, True)
+    opcheck(OPS.sdconv_backward, (grad_out, logits, values, mask, None, lse, need_logits, need_values))
 
 
 def _eager_and_compiled(impl, masked=True):

@@ -52,3 +52,22 @@ def test_bad_shapes_and_impls_are_rejected():
         dynamic_conv_reference(torch.zeros(1, 4, 2, 3), torch.zeros(1, 5, 2, 8))
     with pytest.raises(ValueError, match="sdconv_impl"):
         dynamic_conv(torch.zeros(1, 4, 2, 3), torch.zeros(1, 4, 2, 8), impl="cuda")
+
+
+def test_segments_restart_the_convolution_at_document_boundaries():
+    """Two documents packed into one row give, for each, what the document gives alone (output and both
+    gradients), and the result passes gradcheck."""
+    gen = torch.Generator().manual_seed(2)
+    lengths = (4, 7)
+    logits = torch.randn(1, sum(lengths), 2, 5, dtype=torch.double, generator=gen, requires_grad=True)
+    values = torch.randn(1, sum(lengths), 2, 3, dtype=torch.double, generator=gen, requires_grad=True)
+    segments = torch.tensor([[1] * lengths[0] + [2] * lengths[1]])
+    packed = dynamic_conv_reference(logits, values, segments=segments)
+    alone = torch.cat([dynamic_conv_reference(logits[:, a:b], values[:, a:b]) for a, b in ((0, 4), (4, 11))], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-12)
+    weights = torch.randn_like(packed)
+    grads = torch.autograd.grad((packed * weights).sum(), (logits, values))
+    grads_alone = torch.autograd.grad((alone * weights).sum(), (logits, values))
+    for got, want in zip(grads, grads_alone):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b: dynamic_conv_reference(a, b, segments=segments), (logits, values))

@@ -68,13 +68,18 @@ def test_input_check_is_the_only_read_and_is_skippable():
     assert 0 < ops.syncs <= 3 and set(ops.sync_ops) == {"aten._local_scalar_dense"}, ops.sync_ops
 
 
-def test_step_traces_as_one_graph():
-    """``torch._dynamo.explain``: the whole forward (masking, both bodies, sampling, losses) in one graph."""
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed-documents"])
+def test_step_traces_as_one_graph(packed):
+    """``torch._dynamo.explain``: the whole forward (masking, both bodies, sampling, losses) in one graph, also
+    with several documents per sample (``document_ids``: block masks, conv taps, restarted positions)."""
     torch.manual_seed(0)
     config = ElectraConfig.from_preset("tiny", vocab_size=1000, max_position_embeddings=64)
     model = ElectraForPretraining(config)
+    inputs = _batch(config, 2, 32)
+    documents = (1 + (torch.arange(32) >= 11).long() + (torch.arange(32) >= 20).long()) * inputs[1]
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(lambda *inputs: model(*inputs, check=False))(*_batch(config, 2, 32))
+    explained = torch._dynamo.explain(lambda *inputs: model(*inputs, check=False,
+                                                            document_ids=documents if packed else None))(*inputs)
     assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
     assert explained.graph_count == 1
 

@@ -31,7 +31,7 @@ from torch import nn
 from convbert_ds.config import ElectraConfig, ModelConfig
 from convbert_ds.model.convbert import ConvBertDiscriminatorPredictions, ConvBertGeneratorPredictions
 from convbert_ds.model.electra import corrupt, mask_tokens, masked_positions, mlm_loss_and_sample
-from convbert_ds.model.layers import ConvBertEmbeddings, ConvBertLayer, init_weights
+from convbert_ds.model.layers import ConvBertEmbeddings, ConvBertLayer, document_positions, init_weights, padding_masks
 
 
 class Masked(NamedTuple):
@@ -44,6 +44,7 @@ class Masked(NamedTuple):
     token_type_ids: torch.Tensor
     mlm_labels: torch.Tensor
     stream_seed: torch.Tensor
+    document_ids: torch.Tensor  # packed samples' document ids; a copy of attention_mask, unread, when not packed
 
 
 class GeneratorHidden(NamedTuple):
@@ -54,6 +55,7 @@ class GeneratorHidden(NamedTuple):
     token_type_ids: torch.Tensor
     mlm_labels: torch.Tensor
     stream_seed: torch.Tensor
+    document_ids: torch.Tensor
 
 
 class GeneratorTransformed(NamedTuple):
@@ -68,6 +70,7 @@ class GeneratorTransformed(NamedTuple):
     token_type_ids: torch.Tensor
     mlm_labels: torch.Tensor
     stream_seed: torch.Tensor
+    document_ids: torch.Tensor
 
 
 class DiscriminatorHidden(NamedTuple):
@@ -81,6 +84,7 @@ class DiscriminatorHidden(NamedTuple):
     attention_mask: torch.Tensor
     mlm_loss_bits: torch.Tensor
     mlm_accuracy_bits: torch.Tensor
+    document_ids: torch.Tensor
 
 
 class MaskedLMOutput(NamedTuple):
@@ -158,12 +162,12 @@ class MaskingLayer(nn.Module):
         self.seed_generator = None if seed is None else torch.Generator().manual_seed(seed)
 
     def forward(self, inputs) -> tuple:
-        input_ids, attention_mask, token_type_ids = inputs
+        input_ids, attention_mask, token_type_ids, document_ids = inputs
         seed = draw_stream_seed(self.seed_generator)
         stream = torch.Generator(device=input_ids.device).manual_seed(seed)
         masked_ids, labels, _, _ = mask_tokens(input_ids, attention_mask, self.config, generator=stream)
         return to_pipe(Masked(input_ids, masked_ids, attention_mask, token_type_ids, labels,
-                              torch.full_like(input_ids, seed)))
+                              torch.full_like(input_ids, seed), document_ids))
 
 
 class SharedEmbeddings(ConvBertEmbeddings):
@@ -173,15 +177,19 @@ class SharedEmbeddings(ConvBertEmbeddings):
     discriminator's embeddings.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, packed: bool = False):
         super().__init__(config)
+        self.packed = packed  # batches hold several documents: positions restart per document
         _bert_init(self, config)
+
+    def positions(self, document_ids: torch.Tensor) -> torch.Tensor | None:
+        return document_positions(document_ids) if self.packed else None
 
     def forward(self, inputs) -> tuple:
         s = from_pipe(Masked, inputs)
-        hidden = super().forward(s.masked_ids, s.token_type_ids)
+        hidden = super().forward(s.masked_ids, s.token_type_ids, self.positions(s.document_ids))
         return to_pipe(GeneratorHidden(hidden, s.input_ids, s.attention_mask, s.token_type_ids, s.mlm_labels,
-                                       s.stream_seed))
+                                       s.stream_seed, s.document_ids))
 
 
 class EmbeddingProjection(nn.Linear):
@@ -200,14 +208,15 @@ class EmbeddingProjection(nn.Linear):
 class EncoderLayer(ConvBertLayer):
     """One ``ConvBertLayer`` of the generator or the discriminator (``state_type`` says which tuple it sees)."""
 
-    def __init__(self, config: ModelConfig, state_type: type[NamedTuple]):
+    def __init__(self, config: ModelConfig, state_type: type[NamedTuple], packed: bool = False):
         super().__init__(config)
-        self.state_type = state_type
+        self.state_type, self.packed, self.kernel_size = state_type, packed, config.conv_kernel_size
         _bert_init(self, config)
 
     def forward(self, inputs) -> tuple:
         s = from_pipe(self.state_type, inputs)
-        return to_pipe(s._replace(hidden=super().forward(s.hidden, s.attention_mask)))
+        masks = padding_masks(s.attention_mask, s.document_ids if self.packed else None, self.kernel_size)
+        return to_pipe(s._replace(hidden=super().forward(s.hidden, masks)))
 
 
 class GeneratorHead(nn.Module):
@@ -233,7 +242,7 @@ class GeneratorHead(nn.Module):
         # An op's output rather than the parameter, so that a send across stages backpropagates into it.
         lm_bias = self.generator_lm_head.bias * 1
         return to_pipe(GeneratorTransformed(transformed, lm_bias, s.input_ids, s.attention_mask, s.token_type_ids,
-                                            s.mlm_labels, s.stream_seed))
+                                            s.mlm_labels, s.stream_seed, s.document_ids))
 
 
 def generator_output_forward(embeddings: SharedEmbeddings, inputs, config: ElectraConfig) -> tuple:
@@ -254,9 +263,9 @@ def generator_output_forward(embeddings: SharedEmbeddings, inputs, config: Elect
     if not electra:
         return to_pipe(MaskedLMOutput(mlm, accuracy_bits))
     corrupted, is_replaced = corrupt(s.input_ids, positions, chosen, sampled)
-    hidden = ConvBertEmbeddings.forward(embeddings, corrupted, s.token_type_ids)
+    hidden = ConvBertEmbeddings.forward(embeddings, corrupted, s.token_type_ids, embeddings.positions(s.document_ids))
     return to_pipe(DiscriminatorHidden(hidden, mlm.to(hidden.dtype), is_replaced.long(), s.attention_mask,
-                                       float_row(mlm, s.input_ids), accuracy_bits))
+                                       float_row(mlm, s.input_ids), accuracy_bits, s.document_ids))
 
 
 class RTDHead(ConvBertDiscriminatorPredictions):

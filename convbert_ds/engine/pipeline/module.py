@@ -39,8 +39,10 @@ METRIC_NAMES = {
 }
 
 
-def _layer_plan(config: ElectraConfig, seed: int | None = None) -> list[tuple[LayerSpec, str | None]]:
-    """(spec, plain-model prefix of the layer's own parameters or None) for every pipeline layer, in order."""
+def _layer_plan(config: ElectraConfig, seed: int | None = None, packed: bool = False
+                ) -> list[tuple[LayerSpec, str | None]]:
+    """(spec, plain-model prefix of the layer's own parameters or None) for every pipeline layer, in order.
+    ``packed``: batches hold several documents (``document_ids``), kept apart as the plain model does."""
     electra = config.objective == "electra"
     disc, gen = config.discriminator, (config.generator if electra else config.discriminator)
     shared_prefix = "discriminator.convbert.embeddings." if electra else "generator.convbert.embeddings."
@@ -50,13 +52,14 @@ def _layer_plan(config: ElectraConfig, seed: int | None = None) -> list[tuple[La
     tied = list(_EMBEDDING_PARAMS) if electra else ["word_embeddings.weight"]
 
     def shared(forward_fn=None) -> TiedLayerSpec:
-        return TiedLayerSpec(EMBEDDINGS_KEY, SharedEmbeddings, disc, forward_fn=forward_fn, tied_weight_attr=tied)
+        return TiedLayerSpec(EMBEDDINGS_KEY, SharedEmbeddings, disc, packed, forward_fn=forward_fn,
+                             tied_weight_attr=tied)
 
     def body(prefix: str, model_config, state) -> list[tuple[LayerSpec, str]]:
         layers = []
         if model_config.embedding_size != model_config.hidden_size:
             layers.append((LayerSpec(EmbeddingProjection, model_config, state), f"{prefix}embeddings_project."))
-        layers += [(LayerSpec(EncoderLayer, model_config, state), f"{prefix}encoder.layer.{i}.")
+        layers += [(LayerSpec(EncoderLayer, model_config, state, packed), f"{prefix}encoder.layer.{i}.")
                    for i in range(model_config.num_hidden_layers)]
         return layers
 
@@ -102,12 +105,15 @@ class ElectraPipelineLoss:
 
 
 def build_pipeline_module(config: ElectraConfig, num_stages: int, partition_method: str = "parameters",
-                          activation_checkpoint_interval: int = 0, seed: int | None = None) -> PipelineModule:
+                          activation_checkpoint_interval: int = 0, seed: int | None = None,
+                          packed: bool = False) -> PipelineModule:
     """The ELECTRA (or MLM) pretraining step as a ``PipelineModule`` of the model's own layer classes.
 
     ``seed``: seeds the per-micro-batch masking/Gumbel streams (offset by the global rank, so
     data-parallel replicas differ); None draws them from torch's global RNG, which ``torch.manual_seed``
-    governs as it does for the plain model. Needs ``deepspeed.init_distributed()`` first.
+    governs as it does for the plain model. ``packed``: batches hold several documents each
+    (``data.pack_documents``; ``pipeline_batch`` passes their ``document_ids``). Needs
+    ``deepspeed.init_distributed()`` first.
     Only encoder layers are activation-checkpointed (recomputing the masking or sampling layers would
     draw new randomness), non-reentrantly: the generator's loss passes through checkpointed layers of
     the discriminator and DeepSpeed's reentrant checkpoint frees its inputs after the first of the
@@ -121,7 +127,7 @@ def build_pipeline_module(config: ElectraConfig, num_stages: int, partition_meth
                           "pipeline engine; use wider models")
     if seed is not None:
         seed += dist.get_rank()
-    plan = _layer_plan(config, seed)
+    plan = _layer_plan(config, seed, packed)
     module = PipelineModule(
         layers=[spec for spec, _ in plan], num_stages=num_stages, loss_fn=ElectraPipelineLoss(config),
         partition_method=partition_method, activation_checkpoint_interval=activation_checkpoint_interval,
@@ -181,7 +187,9 @@ def pipeline_batch(batch: dict[str, torch.Tensor]) -> tuple:
     attention_mask, token_type_ids = batch.get("attention_mask"), batch.get("token_type_ids")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
     token_type_ids = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids.long()
-    return (input_ids, attention_mask, token_type_ids), ()
+    # The tuple's shape is fixed: unpacked batches send a copy of the mask that no layer reads.
+    document_ids = batch["document_ids"].long() if "document_ids" in batch else attention_mask
+    return (input_ids, attention_mask, token_type_ids, document_ids), ()
 
 
 def check_pipeline_ds_config(ds_config: dict) -> None:

@@ -118,6 +118,8 @@ def measure(mode: str, checkpoint_dir: Path, out: Path) -> dict:
 
 
 def main() -> None:
+    from convbert_ds.engine.distributed import free_port
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None)
@@ -138,7 +140,7 @@ def main() -> None:
         write_tokenizer(tokenizer)
         start = time.perf_counter()
         torchrun = Path(sys.executable).parent / "torchrun"
-        done = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), __file__,
+        done = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", free_port(), __file__,
                                "--write-rank", str(ckpt), str(tokenizer)], env=_env(), capture_output=True, text=True,
                               cwd=REPO)
         if done.returncode != 0:
@@ -174,14 +176,6 @@ def main() -> None:
     print(f"\ngoals: wall < 60 s -> {ours_wall:.1f} s ({'met' if ours_wall < 60 else 'MISSED'}); "
           f"peak RSS < 3 x {size_mb:.0f} MiB = {3 * size_mb:.0f} MiB -> {ours_rss:.0f} MiB (worst round, "
           f"{ours_rss / size_mb:.2f}x, {'met' if ours_rss < 3 * size_mb else 'MISSED'})")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _checkpoint_params(ckpt: Path) -> tuple[int, int]:

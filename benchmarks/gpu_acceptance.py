@@ -56,13 +56,14 @@ class PretrainRun:
         return "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
 
 
-# Base bf16 first: the headline MFU figure; then what each switch changes, one at a time.
-GPU_RUNS = [PretrainRun("base", "bf16", "triton", False), PretrainRun("base", "bf16", "torch", False),
-            PretrainRun("base", "bf16", "triton", True, "step"),
-            PretrainRun("base", "bf16", "triton", True), PretrainRun("base", "fp16", "triton", False),
-            PretrainRun("small", "bf16", "triton", False), PretrainRun("small", "bf16", "triton", True),
-            PretrainRun("small", "bf16", "torch", False), PretrainRun("base", "fp16", "triton", True),
-            PretrainRun("small", "fp16", "triton", False), PretrainRun("base", "bf16", "torch", True)]
+# Base bf16 first: the headline MFU figure, eager and with the whole step compiled; then what each switch
+# changes, one at a time (the budget rarely reaches the last ones: the most telling come first).
+GPU_RUNS = [PretrainRun("base", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", True, "step"),
+            PretrainRun("small", "bf16", "triton", False), PretrainRun("small", "bf16", "triton", True, "step"),
+            PretrainRun("base", "bf16", "torch", False), PretrainRun("base", "bf16", "triton", True),
+            PretrainRun("base", "fp16", "triton", False), PretrainRun("small", "bf16", "torch", False),
+            PretrainRun("base", "fp16", "triton", True), PretrainRun("small", "fp16", "triton", False),
+            PretrainRun("base", "bf16", "torch", True)]
 CPU_SMOKE_RUNS = [PretrainRun("tiny", "fp32", "torch", False), PretrainRun("tiny", "fp32", "torch", True)]
 
 
@@ -76,21 +77,26 @@ class Scale:
     batch: int
     seq: int
     steps: int
-    warmup_rows: int
+    warmup_rows: int  # logged rows (every log_interval steps) left out of the medians: compiling, warming up
     vocab_size: int
+    log_interval: int = 5
 
 
-GPU = Scale(tests=("tests/kernels", "tests/model/test_sdconv_reference.py", "tests/model/test_hf_parity.py"),
+# Not test_kernels_compile.py: it compiles for sm_90 without a GPU, which the GPU itself makes moot (and it
+# took most of the first run's test budget).
+GPU = Scale(tests=("tests/kernels", "--ignore=tests/kernels/test_kernels_compile.py",
+                   "tests/model/test_sdconv_reference.py", "tests/model/test_hf_parity.py",
+                   "tests/model/test_packed_documents.py"),
             sdconv_args=(("--dtype", "bf16"), ("--dtype", "fp16")),
             train_step_args=("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision",
                              "bf16"),
             runs=GPU_RUNS, batch=128, seq=128,
-            steps=30, warmup_rows=10, vocab_size=30522)
+            steps=40, warmup_rows=2, vocab_size=30522)
 CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
                   sdconv_args=(("--dtype", "fp32", "--batch", "2", "--seq", "32", "--reps", "2"),),
                   train_step_args=("--preset", "tiny", "--batch", "4", "--seq", "64", "--steps", "2", "--threads",
                                    "1"),
-                  runs=CPU_SMOKE_RUNS, batch=4, seq=64, steps=6, warmup_rows=2, vocab_size=2000)
+                  runs=CPU_SMOKE_RUNS, batch=4, seq=64, steps=6, warmup_rows=2, vocab_size=2000, log_interval=1)
 
 
 class Acceptance:
@@ -154,7 +160,8 @@ class Acceptance:
         s = self.scale
         return "\n".join([f"Global batch {s.batch} x seq {s.seq}, one process, {s.steps} steps, ZeRO-1 "
                           f"(`ds_configs/zero1_bf16.json`, the trainer's lean default, precision overridden); "
-                          f"medians of the steps after the first {s.warmup_rows}. Each run: `python -m "
+                          f"logged every {s.log_interval} steps, medians of the rows after the first "
+                          f"{s.warmup_rows}. Each run: `python -m "
                           f"convbert_ds.train --config configs/PRESET.yaml train.precision=P "
                           f"model.overrides.sdconv_impl=S train.compile=C train.compile_mode=M ...` (compile on: "
                           f"M=layers, step: M=step; the full line is in the log).", "", *rows])
@@ -183,7 +190,8 @@ class Acceptance:
                 f"train.compile_mode={spec.compile_mode}",
                 f"model.overrides.sdconv_impl={spec.sdconv}", "deepspeed.config=ds_configs/zero1_bf16.json",
                 f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
-                f"log.dir={run_dir / 'logs'}", "log.interval=1", "eval.interval=0"]
+                # Every 5 steps: a logging step reads its metrics back (a sync), the steps between do not.
+                f"log.dir={run_dir / 'logs'}", f"log.interval={self.scale.log_interval}", "eval.interval=0"]
 
     def _pretrain_one(self, spec: PretrainRun, shards: Path) -> list[str]:
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
@@ -211,10 +219,12 @@ class Acceptance:
                 median("mfu", ".1%"), f"{first:.1f}"]
 
     def nccl(self, on_gpu: bool) -> str:
+        from convbert_ds.engine.distributed import free_port
+
         spec = CPU_SMOKE_RUNS[0] if not on_gpu else PretrainRun("small", "bf16", "triton", False)
         run_dir = self.work / "nccl"
         command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
-                   _free_port(), "-m", "convbert_ds.train",
+                   free_port(), "-m", "convbert_ds.train",
                    *self._train_args(spec, self.work / "shards", run_dir, steps=5), "train.micro_batch_size=null"]
         code, _, output = self.run("nccl", command, limit_s=120)
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -257,13 +267,6 @@ def _text(data) -> str:
 
 def _fenced(lines) -> str:
     return "```\n" + "\n".join(lines) + "\n```"
-
-
-def _free_port() -> str:
-    import socket
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        return str(free.getsockname()[1])
 
 
 def write_results(path: Path, section: str) -> None:

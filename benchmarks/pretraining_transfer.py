@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from convbert_ds.engine.distributed import free_port
 from convbert_ds.quickstart import prepare_data
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,9 +71,7 @@ def pretrain(args, shards: Path, run: Path) -> list[Path]:
     if args.generator_multiplier:
         overrides.append(f"model.generator_multiplier={args.generator_multiplier}")
     overrides += args.train_override
-    with socket.socket() as free:  # several benchmarks may share a machine: never the launcher's default port
-        free.bind(("127.0.0.1", 0))
-        port = str(free.getsockname()[1])
+    port = free_port()  # several benchmarks may share a machine: never the launcher's default port
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", port,
                 "--module", "convbert_ds.train", "--config", str(REPO / "configs" / "tiny_cpu.yaml")]
     start = time.perf_counter()

@@ -97,9 +97,11 @@ def write_rank(checkpoint_dir: Path, preset_name: str) -> None:
 
 
 def write_checkpoint(ckpt: Path, preset_name: str) -> float:
+    from convbert_ds.engine.distributed import free_port
+
     start = time.perf_counter()
     torchrun = Path(sys.executable).parent / "torchrun"
-    done = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), __file__,
+    done = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", free_port(), __file__,
                            "--write-rank", str(ckpt), "--preset", preset_name], env=_env(), capture_output=True,
                           text=True, cwd=REPO)
     if done.returncode != 0:
@@ -341,14 +343,6 @@ def _report(modes: list[str], rows: dict, size: float, repeats: int, preset_name
           f"{worst_conv:.0f} MiB ({worst_conv / size:.2f}x, {'met' if worst_conv < 3 * size else 'MISSED'}), "
           f"whole process {worst_peak:.0f} MiB ({worst_peak / size:.2f}x, "
           f"{'met' if worst_peak < 3 * size else 'MISSED'})")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -316,10 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    with socket.socket() as free:  # a port nobody listens on, so two runs on one machine never collide
-        free.bind(("127.0.0.1", 0))
-        port = str(free.getsockname()[1])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    from convbert_ds.engine.distributed import free_port
+    # A port nobody listens on, so two runs on one machine never collide.
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
 
     import deepspeed
 

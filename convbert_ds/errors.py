@@ -8,6 +8,7 @@ Every CLI (training, conversion, fine-tuning, preprocessing) catches ``UserError
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 
@@ -48,3 +49,25 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UserError(f"{self.prog}: {message}")
+
+
+def bounded(kind: type = int, min: float | None = None, max: float | None = None):
+    """An ``add_argument(type=...)`` that takes a ``kind`` (int or float) in ``[min, max]`` and refuses anything
+    else (non-numeric, out of range, not finite) as one line naming the option: the valid range of an option
+    lives on its parser, once."""
+    limits = " and ".join(part for part in (f">= {min:g}" if min is not None else "",
+                                            f"<= {max:g}" if max is not None else "") if part)
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if (kind is float and not math.isfinite(value)) or (min is not None and value < min) or (
+                max is not None and value > max):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {noun}{' ' + limits if limits else ''}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse

@@ -11,14 +11,13 @@ packed into shared samples (``data.pack_documents: true``) and one per sample.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 
-from convbert_ds.errors import ArgumentParser
+from convbert_ds.errors import ArgumentParser, bounded
 from convbert_ds.formats.sample_packing import MIN_SEQ_LEN, document_blocks, framed_lengths, pack_documents
 from convbert_ds.formats.shard_manifest import MANIFEST, read_manifest
 from preprocessing.errors import PreprocessingError, run_cli
@@ -143,21 +142,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m preprocessing.inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", metavar="PREFIX_OR_DIR", help="a shard directory, or one shard's prefix/.bin/.idx")
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir for decoding; none: the manifest's")
-    parser.add_argument("--documents", type=int, default=3, help="decoded documents to show per split")
-    parser.add_argument("--seq-len", type=_seq_len, nargs="+", default=[128, 512], metavar="L",
+    parser.add_argument("--documents", type=bounded(int, min=0), default=3, help="decoded documents to show per split")
+    parser.add_argument("--seq-len", type=bounded(int, min=MIN_SEQ_LEN), nargs="+", default=[128, 512], metavar="L",
                         help="sample lengths at which to report the real-token fraction (data.seq_len)")
     args = parser.parse_args(argv)
     print(inspect_path(args.path, args.tokenizer, args.documents, tuple(args.seq_len)))
 
-
-def _seq_len(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < MIN_SEQ_LEN:
-        raise argparse.ArgumentTypeError(f"{text!r}: a sample length is an integer >= {MIN_SEQ_LEN}, e.g. 128")
-    return value
 
 
 if __name__ == "__main__":

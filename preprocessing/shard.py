@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convbert_ds.errors import ArgumentParser
+from convbert_ds.errors import ArgumentParser, bounded
 from convbert_ds.formats.shard_manifest import (
     MANIFEST, PROGRESS, SHARD_FILES, ShardManifestError, check_shard_file, read_manifest, shard_prefix, split_entry,
     write_manifest)
@@ -412,19 +412,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="text/JSONL/JSON/Parquet files, save_to_disk dirs, globs; .gz/.bz2/.xz/.zst ok")
     parser.add_argument("--tokenizer", required=True, help="tokenizer dir (preprocessing.tokenizer, or a HF one)")
     parser.add_argument("--out", required=True, help="shard directory to write (or resume)")
-    parser.add_argument("--workers", type=int, default=default_workers(),
+    parser.add_argument("--workers", type=bounded(int, min=0), default=default_workers(),
                         help="tokenizer processes (0: tokenize in this process); the default is all cores")
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+    parser.add_argument("--shard-tokens", type=bounded(int, min=1), default=DEFAULT_SHARD_TOKENS,
                         help="a shard closes at the first document end past this many tokens")
-    parser.add_argument("--valid-fraction", type=float, default=DEFAULT_VALID_FRACTION,
+    parser.add_argument("--valid-fraction", type=bounded(float, min=0, max=1), default=DEFAULT_VALID_FRACTION,
                         help="share of documents (by a hash of their text) in the valid split")
     parser.add_argument("--split-seed", type=int, default=0, help="key of the train/valid document hash")
     parser.add_argument("--slice", default=None, metavar="i/N",
                         help="process the i-th (from 0) of N input slices; none: all of the input")
     parser.add_argument("--strict", action="store_true", help="invalid UTF-8 is an error instead of replaced")
     parser.add_argument("--text-field", default="text", help="field holding the text in JSON/Parquet/Arrow inputs")
-    parser.add_argument("--block-bytes", type=int, default=1 << 20, help="input bytes per unit of work")
-    parser.add_argument("--checkpoint-every", type=int, default=64,
+    parser.add_argument("--block-bytes", type=bounded(int, min=1), default=1 << 20, help="input bytes per unit of work")
+    parser.add_argument("--checkpoint-every", type=bounded(int, min=1), default=64,
                         help="checkpoint after this many --block-bytes of input (and whenever a shard closes)")
     parser.add_argument(FORCE_FLAG, "--overwrite", dest="overwrite", action="store_true",
                         help="replace shards made with other inputs/settings, or an interrupted run's")

@@ -102,7 +102,12 @@ class SentencePieceTokenizer(Tokenizer):
 
         self.dir = directory
         self.model_proto = model_file.read_bytes()
-        self.sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
+        except RuntimeError as error:  # sentencepiece's only error for a file that does not parse as a model
+            raise PreprocessingError(f"{model_file}: not a sentencepiece model ({str(error).strip().splitlines()[-1]}); "
+                                     "copy the tokenizer directory again, or train it again with python -m "
+                                     "preprocessing.tokenizer") from None
         self.vocab_size = self.sp.get_piece_size()
         self.special_ids = {}
         for name, piece in SPECIAL_TOKENS.items():

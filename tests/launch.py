@@ -6,10 +6,11 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from convbert_ds.engine.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_CONFIG = REPO / "configs" / "tiny_cpu.yaml"
@@ -26,13 +27,6 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subpro
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd or REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
-
-
-def free_port() -> str:
-    """A port nobody listens on now, so tests never collide with another run's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def train_command(launcher: str, nproc: int = 2) -> list[str]:

@@ -71,13 +71,15 @@ def _from_mpi() -> dict[str, str]:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     master = comm.bcast(socket.gethostbyname(socket.gethostname()) if rank == 0 else None, root=0)
-    port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+    port = comm.bcast(free_port() if rank == 0 else None, root=0)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
     return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local),
             "MASTER_ADDR": os.environ.get("MASTER_ADDR", master), "MASTER_PORT": os.environ.get("MASTER_PORT", port)}
 
 
-def _free_port() -> str:
+def free_port() -> str:
+    """A TCP port nobody listens on now (the OS picks it): for a rendezvous that must not collide with
+    another run's on the same machine. The one helper for this: the trainer, the benchmarks and the tests."""
     with socket.socket() as s:
         s.bind(("", 0))
         return str(s.getsockname()[1])
@@ -99,7 +101,7 @@ def discover() -> str:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
         launcher = "single"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", _free_port() if os.environ["WORLD_SIZE"] == "1" else "29500")
+    os.environ.setdefault("MASTER_PORT", free_port() if os.environ["WORLD_SIZE"] == "1" else "29500")
     return launcher
 
 

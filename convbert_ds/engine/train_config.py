@@ -30,7 +30,8 @@ from typing import Annotated, Literal
 import yaml
 
 from convbert_ds.config import PRESET_NAMES, ConfigError
-from convbert_ds.data.packing import MIN_SEQ_LEN
+from convbert_ds.formats.sample_packing import MIN_SEQ_LEN
+from convbert_ds.formats.task_names import GLUE_TASKS, TASK_TYPES
 
 
 @dataclass(frozen=True)
@@ -180,14 +181,15 @@ class DownstreamSection:
     and logs the score next to a random-init baseline measured once per run."""
 
     interval: Annotated[int, Key("steps between probes, a multiple of checkpoint.interval; 0: off", min=0)] = 0
-    glue_task: Annotated[str | None, Key("a GLUE task name (with data_dir)")] = None
+    glue_task: Annotated[str | None, Key("a GLUE task name (with data_dir)", choices=(None, *GLUE_TASKS))] = None
     data_dir: Annotated[str | None, Key("the GLUE task's directory")] = None
     train: Annotated[str | None, Key("a custom task's training file")] = None
     validation: Annotated[str | None, Key("a custom task's validation file")] = None
     text_column: Annotated[str, Key("a custom task's text column")] = "text"
     text_pair_column: Annotated[str | None, Key("a custom task's second text column")] = None
     label_column: Annotated[str, Key("a custom task's label column")] = "label"
-    task_type: Annotated[str | None, Key("classification or regression; null: from the labels")] = None
+    task_type: Annotated[str | None, Key("classification or regression; null: from the labels",
+                                         choices=(None, *TASK_TYPES))] = None
     finetune_args: Annotated[list, Key("more fine-tuning options, e.g. [--epochs, 2, --seeds, 3]")] = field(
         default_factory=list)
     random_baseline: Annotated[bool, Key("also fine-tune a random init once, for comparison")] = True

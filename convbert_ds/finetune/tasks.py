@@ -16,8 +16,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Value, load_dat
 from datasets.exceptions import DatasetGenerationError
 
 from convbert_ds.finetune.errors import FinetuneError
-
-TASK_TYPES = ("classification", "regression")
+from convbert_ds.formats.task_names import GLUE_TASKS, TASK_TYPES
 
 
 @dataclass
@@ -77,7 +76,8 @@ _GLUE = {
     "rte": _GlueSpec("RTE", _TWO_WAY_NLI, "accuracy", "sentence1", "sentence2", "label"),
     "wnli": _GlueSpec("WNLI", _BINARY, "accuracy", "sentence1", "sentence2", "label"),
 }
-GLUE_TASKS: tuple[str, ...] = tuple(_GLUE)
+if tuple(_GLUE) != GLUE_TASKS:  # the names live in formats/task_names.py, the file layouts here
+    raise ImportError(f"finetune/tasks.py describes {tuple(_GLUE)}, formats/task_names.py names {GLUE_TASKS}")
 _MAX_MALFORMED_FRACTION = 0.01
 _STSB_RANGE = (0.0, 5.0)
 

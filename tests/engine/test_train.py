@@ -155,6 +155,9 @@ def test_torchrun_launches_the_same_trainer(tiny_corpus, tmp_path):
     (["train.compile=true", "train.compile_mode=step", "deepspeed.config=ds_configs/zero3_bf16.json"],
      "train.compile_mode=step with zero_optimization.stage=3"),
     (["train.compile_mode=graph"], "train.compile_mode='graph'"),
+    (["data.seed=-1"], "data.seed=-1: must be >= 0"),
+    (["eval.downstream.glue_task=sst-2"], "eval.downstream.glue_task='sst-2': use one of [None, 'cola'"),
+    (["eval.downstream.task_type=regresion"], "eval.downstream.task_type='regresion': use one of"),
 ])
 def test_invalid_configs_are_rejected_before_any_rank_starts(overrides, message, tiny_corpus):
     with pytest.raises((ConfigError, ValueError), match=__import__("re").escape(message)):

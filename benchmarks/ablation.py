@@ -48,7 +48,7 @@ import torch
 from pretraining_transfer import PROTOCOLS, finetune, pretrain  # the script's own folder is on sys.path
 
 from convbert_ds.config import ElectraConfig
-from convbert_ds.engine.checkpoint import complete_tags, read_trainer_state
+from convbert_ds.formats.checkpoint.directory import complete_tags, read_trainer_state
 from convbert_ds.engine.flops import training_flops_per_sample
 from convbert_ds.quickstart import prepare_data
 

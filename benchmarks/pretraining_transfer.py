@@ -54,7 +54,7 @@ def _run(command: list[str], log: Path | None = None) -> None:
 
 def pretrain(args, shards: Path, run: Path) -> list[Path]:
     """Train (or resume) to ``args.steps``; returns the curve's checkpoint directories, oldest first."""
-    from convbert_ds.engine.checkpoint import complete_tags
+    from convbert_ds.formats.checkpoint.directory import complete_tags
 
     cuda = torch.cuda.is_available()
     interval = max(1, args.steps // args.curve)

@@ -121,7 +121,7 @@ def run_one(mode: str, tag_dir: Path, out: Path) -> dict:
 
     if mode == OURS:
         from convbert_ds.config import ElectraConfig
-        from convbert_ds.engine.universal import Layout, convert
+        from convbert_ds.formats.checkpoint.universal import Layout, convert
 
         state = json.loads((tag_dir / "trainer_state.json").read_text())
         layout, electra = Layout.of_checkpoint(state), ElectraConfig(**state["electra_config"])
@@ -199,7 +199,8 @@ def compare(tag_dir: Path, ds_out: Path) -> str:
     from safetensors.torch import load_file
 
     from convbert_ds.config import ElectraConfig
-    from convbert_ds.engine.universal import QUANTITIES, canonical_names
+    from convbert_ds.formats.checkpoint.names import canonical_names
+    from convbert_ds.formats.checkpoint.universal import QUANTITIES
 
     electra = ElectraConfig(**json.loads((tag_dir / "trainer_state.json").read_text())["electra_config"])
     canonical = canonical_names(electra)
@@ -234,7 +235,7 @@ def _row(mode: str, r: dict, size: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from convbert_ds.config import PRESET_NAMES
-    from convbert_ds.errors import ArgumentParser, exit_on_user_error
+    from convbert_ds.cli import ArgumentParser, exit_on_user_error
 
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="base", choices=PRESET_NAMES,

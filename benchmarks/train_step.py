@@ -104,7 +104,7 @@ def trainer_ds_config(args: argparse.Namespace, steps: int):
     """The engine's DeepSpeed dict, built as the trainer builds it (``build_ds_config``), and the training
     section whose optimiser settings the plain loops copy."""
     from convbert_ds.engine.plan import build_ds_config, load_ds_config
-    from convbert_ds.engine.train_config import TrainConfig
+    from convbert_ds.formats.train_config import TrainConfig
 
     cfg = TrainConfig.from_dict({
         "train": {"global_batch_size": args.batch, "micro_batch_size": args.batch, "steps": steps,

@@ -1,73 +1,14 @@
 """The one base class of the errors a user can fix.
 
-Every CLI (training, conversion, fine-tuning, preprocessing) catches ``UserError`` alone: it prints
-``str(error)`` on one line (naming the file or field, the value and the fix) and exits with
-``EXIT_USER_ERROR``. Anything else is a bug and keeps its traceback.
+Every CLI (training, conversion, fine-tuning, preprocessing) catches ``UserError`` alone
+(``convbert_ds.cli.exit_on_user_error``): it prints ``str(error)`` on one line (naming the file or field,
+the value and the fix) and exits with ``EXIT_USER_ERROR``. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
-
-import argparse
-import math
-import sys
-from collections.abc import Callable
 
 EXIT_USER_ERROR = 2
 
 
 class UserError(Exception):
     """Bad input: a config value, a path, a flag, a file's content. The message says what and how to fix it."""
-
-
-def exit_on_user_error(main: Callable[[], int | None], prefix: str = "error") -> int:
-    """Run a CLI's ``main``; a ``UserError`` becomes one line on stderr and exit code 2."""
-    try:
-        return main() or 0
-    except UserError as error:
-        print(f"{prefix}: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's line breaks; every option's help shows its default, unless it is required
-    or its help already says what the default is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        said = action.required or "default" in (action.help or "")
-        return action.help if said else super()._get_help_string(action)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """Every CLI's parser: a bad option is a ``UserError`` (one line, exit 2, not usage + message)."""
-
-    def __init__(self, *args, formatter_class=HelpFormatter, **kwargs):
-        spec = getattr(sys.modules["__main__"], "__spec__", None)
-        if spec is not None and spec.name.split(".")[0] in ("convbert_ds", "preprocessing"):
-            # started as ``python -m MODULE``: say so in usage and errors, not "__main__.py"
-            kwargs.setdefault("prog", f"python -m {spec.name.removesuffix('.__main__')}")
-        super().__init__(*args, formatter_class=formatter_class, **kwargs)
-
-    def error(self, message: str):
-        raise UserError(f"{self.prog}: {message}")
-
-
-def bounded(kind: type = int, min: float | None = None, max: float | None = None):
-    """An ``add_argument(type=...)`` that takes a ``kind`` (int or float) in ``[min, max]`` and refuses anything
-    else (non-numeric, out of range, not finite) as one line naming the option: the valid range of an option
-    lives on its parser, once."""
-    limits = " and ".join(part for part in (f">= {min:g}" if min is not None else "",
-                                            f"<= {max:g}" if max is not None else "") if part)
-    noun = "an integer" if kind is int else "a number"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if (kind is float and not math.isfinite(value)) or (min is not None and value < min) or (
-                max is not None and value > max):
-            raise argparse.ArgumentTypeError(f"{text!r}: must be {noun}{' ' + limits if limits else ''}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its own messages
-    return parse

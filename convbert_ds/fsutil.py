@@ -95,3 +95,13 @@ def refuse_non_empty(path, force: bool, error: type[UserError] = UserError) -> N
         raise error(f"{path} is a file; --out needs a directory")
     if not force and path.is_dir() and any(path.iterdir()):
         raise error(f"{path} exists and is not empty; pass {FORCE_FLAG} to replace it")
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the JSON lines whose ``step`` is at most ``step``: a run resumed from that step logs the rest
+    again, so its log ends up as an uninterrupted run's."""
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+

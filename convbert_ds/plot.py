@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from convbert_ds.errors import ArgumentParser, UserError, exit_on_user_error
+from convbert_ds.cli import ArgumentParser, exit_on_user_error
+from convbert_ds.errors import UserError
 
 PANELS = (("loss", "total loss"), ("mlm_loss", "generator MLM loss"), ("rtd_loss", "discriminator RTD loss"),
           ("rtd_accuracy", "RTD accuracy"))

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from convbert_ds.data.transfer_task import write_pretraining_corpus, write_transfer_task
-from convbert_ds.errors import ArgumentParser, exit_on_user_error
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "quickstart.yaml"
@@ -107,12 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", default=None, help="where everything is written (None: runs/quickstart, "
                                                          "or runs/quickstart-smoke with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="every step on a small budget, in under 15 minutes")
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--steps", type=bounded(int, min=1), default=None,
                         help="pretraining steps (None: configs/quickstart.yaml's, 100 with --smoke)")
-    parser.add_argument("--seeds", type=int, default=None, help="fine-tuning seeds per init (None: 3, 1 with --smoke)")
+    parser.add_argument("--seeds", type=bounded(int, min=1), default=None,
+                        help="fine-tuning seeds per init (None: 3, 1 with --smoke)")
     parser.add_argument("--ranks", type=int, default=2, choices=(1, 2, 4, 8),
                         help="processes for the deepspeed launcher (the global batch stays 64)")
-    parser.add_argument("--vocab-size", type=int, default=8000, help="the tokenizer's vocabulary size")
+    parser.add_argument("--vocab-size", type=bounded(int, min=8), default=8000, help="the tokenizer's vocabulary size")
     args = parser.parse_args(argv)
     smoke = SMOKE if args.smoke else {}
     work = Path(args.work_dir or ("runs/quickstart-smoke" if args.smoke else "runs/quickstart")).resolve()

@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 from convbert_ds.engine import distributed
 from convbert_ds.engine.plan import RunPlan, build_ds_config, host_sync_warnings, resolve
-from convbert_ds.engine.train_config import describe_keys, load_config
+from convbert_ds.formats.train_config import describe_keys, load_config
 from convbert_ds.engine.trainer import EXIT_PREEMPTED, Preemption, Trainer, TrainingError
-from convbert_ds.errors import EXIT_USER_ERROR, ArgumentParser, UserError
+from convbert_ds.cli import ArgumentParser, bounded
+from convbert_ds.errors import EXIT_USER_ERROR, UserError
 
 __all__ = ["EXIT_PREEMPTED", "Preemption", "RunPlan", "Trainer", "TrainingError", "build_ds_config", "main"]
 
@@ -45,7 +46,7 @@ def parse_args(argv):
     parser.add_argument("--check-config", action="store_true",
                         help="validate CONFIG + overrides for --world-size processes, start nothing")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as JSON, start nothing")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", type=bounded(int, min=1), default=None,
                         help="processes to check for (default: as the launcher's environment says)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from convbert_ds.errors import UserError, exit_on_user_error
+from convbert_ds.cli import exit_on_user_error
+from convbert_ds.errors import UserError
 
 
 class PreprocessingError(UserError):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convbert_ds.errors import ArgumentParser, bounded
+from convbert_ds.cli import ArgumentParser, bounded
 from convbert_ds.formats.sample_packing import MIN_SEQ_LEN, document_blocks, framed_lengths, pack_documents
 from convbert_ds.formats.shard_manifest import MANIFEST, read_manifest
 from preprocessing.errors import PreprocessingError, run_cli

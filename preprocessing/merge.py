@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from convbert_ds.errors import ArgumentParser
+from convbert_ds.cli import ArgumentParser
 from convbert_ds.formats.shard_manifest import read_manifest, shard_prefix, split_entry, write_manifest
 from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty
 from preprocessing.encode import SPLITS

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convbert_ds.errors import ArgumentParser, bounded
+from convbert_ds.cli import ArgumentParser, bounded
 from convbert_ds.formats.shard_manifest import (
     MANIFEST, PROGRESS, SHARD_FILES, ShardManifestError, check_shard_file, read_manifest, shard_prefix, split_entry,
     write_manifest)
@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a shard closes at the first document end past this many tokens")
     parser.add_argument("--valid-fraction", type=bounded(float, min=0, max=1), default=DEFAULT_VALID_FRACTION,
                         help="share of documents (by a hash of their text) in the valid split")
-    parser.add_argument("--split-seed", type=int, default=0, help="key of the train/valid document hash")
+    parser.add_argument("--split-seed", type=bounded(int, min=0), default=0,
+                        help="key of the train/valid document hash")
     parser.add_argument("--slice", default=None, metavar="i/N",
                         help="process the i-th (from 0) of N input slices; none: all of the input")
     parser.add_argument("--strict", action="store_true", help="invalid UTF-8 is an error instead of replaced")

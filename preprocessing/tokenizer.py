@@ -31,7 +31,7 @@ import re
 import sys
 from pathlib import Path
 
-from convbert_ds.errors import ArgumentParser
+from convbert_ds.cli import ArgumentParser, bounded
 from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty, write_dir_atomically
 from preprocessing.documents import MAX_LINE_CHARS, iter_documents
 from preprocessing.errors import PreprocessingError, run_cli
@@ -362,18 +362,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input", nargs="+", action="extend", required=True, metavar="GLOB",
                         help="text/JSONL/JSON/Parquet files, save_to_disk dirs, globs; .gz/.bz2/.xz/.zst ok")
     parser.add_argument("--out", required=True, help="tokenizer directory to write")
-    parser.add_argument("--vocab-size", type=int, default=30522, help="pieces in the vocabulary")
+    parser.add_argument("--vocab-size", type=bounded(int, min=8), default=30522, help="pieces in the vocabulary")
     parser.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram", help="sentencepiece model")
     parser.add_argument("--text-field", default="text", help="field holding the text in JSON/Parquet/Arrow inputs")
-    parser.add_argument("--input-sentence-size", type=int, default=2_000_000,
+    parser.add_argument("--input-sentence-size", type=bounded(int, min=1), default=2_000_000,
                         help="lines sampled for training (bounds memory)")
-    parser.add_argument("--character-coverage", type=float, default=0.9995,
+    parser.add_argument("--character-coverage", type=bounded(float, min=0.5, max=1), default=0.9995,
                         help="share of characters the vocabulary covers")
     parser.add_argument("--no-byte-fallback", action="store_true",
                         help="map unknown characters to [UNK] instead of UTF-8 byte pieces")
     parser.add_argument("--strict", action="store_true", help="invalid UTF-8 is an error instead of replaced")
-    parser.add_argument("--seed", type=int, default=0, help="sentencepiece's random seed")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="training threads")
+    parser.add_argument("--seed", type=bounded(int, min=0), default=0, help="sentencepiece's random seed")
+    parser.add_argument("--threads", type=bounded(int, min=1), default=os.cpu_count() or 1, help="training threads")
     parser.add_argument(FORCE_FLAG, "--overwrite", dest="overwrite", action="store_true",
                         help="replace a non-empty output directory")
     parser.add_argument("--verbose", action="store_true", help="show sentencepiece's training log")

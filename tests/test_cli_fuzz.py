@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
-from convbert_ds.errors import exit_on_user_error
+from convbert_ds.cli import exit_on_user_error
 from launch import REPO
 from preprocessing.errors import run_cli
 
@@ -178,6 +178,17 @@ VALUE_CASES = [
     ("preprocessing.shard", ["--input", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{out}/v",
                              "--valid-fraction", "{V}"], "--valid-fraction", ["-0.5", "3", "nan", "inf", "", "ten"]),
     ("preprocessing.inspect", ["{shards}", "--seq-len", "{V}"], "--seq-len", ["3", "-1", "0", "", "ten", "1e999"]),
+    ("preprocessing.tokenizer", ["--input", "{corpus}", "--out", "{out}/t", "--threads", "{V}"], "--threads",
+     ["0", "-4", "", "many"]),
+    ("preprocessing.tokenizer", ["--input", "{corpus}", "--out", "{out}/t", "--character-coverage", "{V}"],
+     "--character-coverage", ["0", "1.5", "nan", "-1", ""]),
+    ("preprocessing.tokenizer", ["--input", "{corpus}", "--out", "{out}/t", "--vocab-size", "{V}"], "--vocab-size",
+     ["0", "-100", "1e6", ""]),
+    ("preprocessing.shard", ["--input", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{out}/v",
+                             "--split-seed", "{V}"], "--split-seed", ["-1", "x"]),
+    ("convbert_ds.quickstart", ["--seeds", "{V}"], "--seeds", ["0", "-3", "three"]),
+    ("convbert_ds.quickstart", ["--steps", "{V}"], "--steps", ["0", "-1", "1.5"]),
+    ("convbert_ds.train", ["--check-config", "--world-size", "{V}"], "--world-size", ["0", "-2", "two"]),
 ]
 BAD_VALUES = [(module, argv, option, value) for module, argv, option, values in VALUE_CASES for value in values]
 

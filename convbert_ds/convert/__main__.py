@@ -9,7 +9,7 @@ import sys
 
 from convbert_ds.convert.from_hf import convert_from_hf
 from convbert_ds.convert.to_hf import convert_checkpoint
-from convbert_ds.errors import ArgumentParser, exit_on_user_error
+from convbert_ds.cli import ArgumentParser, exit_on_user_error
 from convbert_ds.formats.init_dir import ConvertError
 from convbert_ds.fsutil import FORCE_FLAG
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from convbert_ds.config import ConfigError, ElectraConfig, ModelConfig
-from convbert_ds.engine.train_config import TrainConfig
+from convbert_ds.formats.train_config import TrainConfig
 from convbert_ds.formats.shard_manifest import file_sha256
 
 RTD_HEAD_FILE = "rtd_head.safetensors"

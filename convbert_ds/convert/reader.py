@@ -6,7 +6,7 @@ Where the weights come from:
   ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``;
 - ZeRO 0: the module weights in ``mp_rank_00_model_states.pt`` (fp32 training), or, for bf16/fp16,
   the optimizer's fp32 master copies, each checked to round to the module's weight;
-- pipeline: ``layer_XX-model_states.pt`` mapped through ``convbert_ds.engine.pipeline.pipeline_layer_names``;
+- pipeline: ``layer_XX-model_states.pt`` mapped through ``formats.checkpoint.names.pipeline_layer_names``;
   for bf16/fp16 with ZeRO-1 the fp32 masters of each stage, consolidated like ZeRO-1 above.
 """
 
@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from convbert_ds.config import ConfigError, ElectraConfig
-from convbert_ds.engine import checkpoint as ckpt_layout
-from convbert_ds.engine import universal
-from convbert_ds.engine.universal import Layout
+from convbert_ds.formats.checkpoint import directory as ckpt_layout
+from convbert_ds.formats.checkpoint.names import pipeline_layer_names
+from convbert_ds.formats.checkpoint.universal import META, Layout
 from convbert_ds.formats.init_dir import ConvertError, match_weights
 from convbert_ds.formats.safe_pickle import check_directory, forced_weights_only, safe_load
 from convbert_ds.model import ElectraForPretraining, WeightsError
@@ -82,13 +82,6 @@ def open_checkpoint(checkpoint_dir, tag: str | None = None) -> Checkpoint:
     return Checkpoint(root, tag, state, electra)
 
 
-def _layer_names(electra: ElectraConfig) -> dict[int, str]:
-    # Here: the pipeline module imports deepspeed (slow, and it prints on import); only pipeline checkpoints need it.
-    from convbert_ds.engine.pipeline import pipeline_layer_names
-
-    return pipeline_layer_names(electra)
-
-
 def _optim_file(directory: Path, dp_rank: int, mp_rank: int, precision: str) -> str:
     """DeepSpeed's name for one data-parallel rank's optimizer shard ("bf16_" in bf16 runs)."""
     name = f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
@@ -101,7 +94,7 @@ def expected_files(ckpt: Checkpoint) -> list[str]:
     """Every file of ``ckpt.directory`` the conversion reads."""
     d, precision = ckpt.directory, ckpt.precision
     if ckpt.stages > 1:
-        files = [f"layer_{i:02d}-model_states.pt" for i in sorted(_layer_names(ckpt.electra))]
+        files = [f"layer_{i:02d}-model_states.pt" for i in sorted(pipeline_layer_names(ckpt.electra))]
         if precision != "fp32" and ckpt.zero_stage >= 1:
             for stage in range(ckpt.stages):
                 files.append(f"mp_rank_{stage:02d}_model_states.pt")
@@ -197,7 +190,7 @@ def _pipeline_masters(ckpt: Checkpoint, layer_names: dict[int, str]) -> dict[str
 
 
 def _pipeline_state(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
-    layer_names = _layer_names(ckpt.electra)
+    layer_names = pipeline_layer_names(ckpt.electra)
     weights = {}
     for index, prefix in sorted(layer_names.items()):
         layer = safe_load(ckpt.directory / f"layer_{index:02d}-model_states.pt", map_location="cpu")
@@ -215,8 +208,8 @@ def _pipeline_state(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
 
 def read_state_dict(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     """(fp32 weights under ``ElectraForPretraining`` names, incl. tied aliases; where they came from)."""
-    converted = ckpt.directory / universal.UNIVERSAL
-    if (converted / universal.META).is_file():  # what a resume on another layout made: the same fp32 masters
+    converted = ckpt.directory / ckpt_layout.UNIVERSAL
+    if (converted / META).is_file():  # what a resume on another layout made: the same fp32 masters
         weights = load_file(str(converted / "fp32.safetensors"))
         source = f"fp32 master weights of the universal copy ({ckpt.describe()} before conversion)"
         return complete_aliases(weights, ckpt.electra, f"checkpoint {converted}"), source

@@ -22,7 +22,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from convbert_ds.errors import ArgumentParser, exit_on_user_error
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.fsutil import write_text_atomically
 
 # Directories whose docstrings are mostly code, generated tables or test noise.
@@ -106,8 +106,8 @@ def write_corpus(out: str | os.PathLike, max_bytes: int | None = None, repeat_to
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="text file to write")
-    parser.add_argument("--max-bytes", type=int, default=None, help="stop after about this many bytes")
-    parser.add_argument("--repeat-to-bytes", type=int, default=None,
+    parser.add_argument("--max-bytes", type=bounded(int, min=1), default=None, help="stop after about this many bytes")
+    parser.add_argument("--repeat-to-bytes", type=bounded(int, min=1), default=None,
                         help="repeat the corpus until the file has at least this many bytes")
     args = parser.parse_args(argv)
     path = write_corpus(args.out, args.max_bytes, args.repeat_to_bytes)

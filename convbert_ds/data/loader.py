@@ -32,7 +32,8 @@ TRAIN_SPLIT = "train"
 
 
 def parse_sets(sets) -> list[tuple[Path, float]]:
-    """``data.sets`` entries: ``{path, weight}`` mappings, objects with those attributes, or bare paths."""
+    """``data.sets`` entries: ``{path, weight}`` mappings, objects with those attributes, ``(path, weight)``
+    pairs (this function's own output: parsing it again changes nothing), or bare paths."""
     if isinstance(sets, (str, os.PathLike)):
         sets = [sets]
     if not sets:
@@ -45,6 +46,8 @@ def parse_sets(sets) -> list[tuple[Path, float]]:
             if "path" not in entry:
                 raise ConfigError(f"data.sets[{i}] has no 'path'; write it as {{path: SHARD_DIR, weight: 1.0}}")
             path, weight = entry["path"], entry.get("weight", 1.0)
+        elif isinstance(entry, tuple) and len(entry) == 2:
+            path, weight = entry
         elif hasattr(entry, "path"):
             path, weight = entry.path, getattr(entry, "weight", 1.0)
         else:

@@ -104,7 +104,8 @@ def _stamp_path(root: Path, cache_dir: str | os.PathLike | None) -> Path:
     return Path(cache_dir) / f"verified-{digest}.json"
 
 
-def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> int:
+def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                     trust_stamp: bool = True) -> int:
     """Compare every shard file of ``shard_dir`` with the sha256 its manifest lists; returns the bytes hashed.
 
     A bit flip keeps a file's size, and a flipped token id or index entry would surface hours later as a
@@ -112,6 +113,8 @@ def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike 
     size, mtime and expected sha256 go to a stamp beside the sample indexes (``SHARD_DIR/index_cache/``
     ``VERIFIED_STAMP``, or one per shard dir in ``cache_dir``), and a later start hashes only files changed
     since. A stamp that cannot be written (a read-only directory) costs a re-hash next time, nothing else.
+    The stamp trusts a file whose size and mtime are unchanged; ``trust_stamp=False`` (``data.verify:
+    always``) hashes every file anyway, for storage that may rot bits in place.
     """
     root = Path(shard_dir)
     stamp_path = _stamp_path(root, cache_dir)
@@ -126,7 +129,7 @@ def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike 
                 file = root / f"{shard['prefix']}.{ext}"
                 stat = file.stat()
                 key, seen = f"{shard['prefix']}.{ext}", [stat.st_size, stat.st_mtime_ns, shard["sha256"][ext]]
-                if stamp.get(key) == seen:
+                if trust_stamp and stamp.get(key) == seen:
                     continue
                 check_shard_file(file, shard, ext, root / MANIFEST, verify=True)
                 hashed += stat.st_size

@@ -45,7 +45,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from convbert_ds.data.builtin_corpus import _DEFINITIONS, _docstrings, _prose_paragraphs, _stdlib_files
-from convbert_ds.errors import ArgumentParser, exit_on_user_error
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.fsutil import write_text_atomically
 
 # label -> (what the library is for, its top-level names in site-packages).
@@ -334,12 +334,12 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     corpus = sub.add_parser("corpus", help="write the pretraining corpus (text file)")
     corpus.add_argument("--out", required=True, help="text file to write")
-    corpus.add_argument("--max-bytes", type=int, default=None, help="stop after about this many bytes")
+    corpus.add_argument("--max-bytes", type=bounded(int, min=1), default=None, help="stop after about this many bytes")
     task = sub.add_parser("task", help="write the downstream task (train.jsonl, validation.jsonl)")
     task.add_argument("--out", required=True, help="folder to write")
-    task.add_argument("--train-per-class", type=int, default=500, help="training examples per class")
-    task.add_argument("--dev-per-class", type=int, default=100, help="validation examples per class")
-    task.add_argument("--seed", type=int, default=0, help="seed of the example draw")
+    task.add_argument("--train-per-class", type=bounded(int, min=1), default=500, help="training examples per class")
+    task.add_argument("--dev-per-class", type=bounded(int, min=1), default=100, help="validation examples per class")
+    task.add_argument("--seed", type=bounded(int, min=0), default=0, help="seed of the example draw")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.command == "corpus":

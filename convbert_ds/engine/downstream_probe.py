@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from convbert_ds.engine.distributed import TORCH_VARS
-from convbert_ds.engine.train_config import DownstreamSection
+from convbert_ds.formats.train_config import DownstreamSection
 
 BASELINE = "random_init"
 

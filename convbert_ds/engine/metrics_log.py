@@ -28,8 +28,8 @@ from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
 
-from convbert_ds.engine import checkpoint
-from convbert_ds.engine.train_config import LogSection
+from convbert_ds.formats.train_config import LogSection
+from convbert_ds.fsutil import truncate_jsonl
 
 RUN_ID_FILE = "wandb_run_id"
 
@@ -45,7 +45,7 @@ class MetricsLog:
         if not enabled:
             return
         log_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint.truncate_jsonl(self.path, start_step)
+        truncate_jsonl(self.path, start_step)
         if self.csv_path is not None:
             _truncate_csv(self.csv_path, start_step)
         self.writer = SummaryWriter(str(log_dir / "tensorboard"), purge_step=start_step + 1)

@@ -27,10 +27,11 @@ from convbert_ds.config import (
 from convbert_ds.data.loader import parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split, verify_checksums
 from convbert_ds.engine import distributed
-from convbert_ds.engine.checkpoint import COMPLETE, latest_complete, read_trainer_state
-from convbert_ds.engine.pipeline import check_pipeline_ds_config, pipeline_layer_names
-from convbert_ds.engine.train_config import PROFILE_KINDS, TrainConfig
-from convbert_ds.engine.universal import Layout
+from convbert_ds.engine.pipeline import check_pipeline_ds_config
+from convbert_ds.formats.checkpoint.directory import COMPLETE, latest_complete, read_trainer_state
+from convbert_ds.formats.checkpoint.names import pipeline_layer_names
+from convbert_ds.formats.checkpoint.universal import Layout
+from convbert_ds.formats.train_config import PROFILE_KINDS, TrainConfig
 from convbert_ds.formats.shard_manifest import read_manifest
 from convbert_ds.formats.init_dir import init_generator_config, init_model_config, read_init
 from convbert_ds.errors import UserError
@@ -179,11 +180,11 @@ def host_sync_warnings(ds: dict) -> list[str]:
     return lines
 
 
-def _electra_config(cfg: TrainConfig, vocab_size: int, special_ids: dict) -> ElectraConfig:
+def _electra_config(cfg: TrainConfig, vocab_size: int, special_ids: dict, init: dict | None) -> ElectraConfig:
     """The model, sized to the tokenizer the shards were made with."""
     m = cfg.model
     if m.init_from_hf:
-        body, generator = _init_bodies(cfg, vocab_size)
+        body, generator = _init_bodies(cfg, vocab_size, init)
     else:
         overrides = dict(m.overrides)
         if overrides.get("vocab_size", vocab_size) != vocab_size:
@@ -207,17 +208,18 @@ def _electra_config(cfg: TrainConfig, vocab_size: int, special_ids: dict) -> Ele
         mask_token_id=special_ids["mask"], special_token_ids=tuple(special_ids[k] for k in ("pad", "cls", "sep")))
 
 
-def _init_bodies(cfg: TrainConfig, vocab_size: int) -> tuple[ModelConfig, ModelConfig]:
-    """Discriminator and generator configs of ``model.init_from_hf``, with the overrides that are safe there."""
+def _init_bodies(cfg: TrainConfig, vocab_size: int, recorded: dict) -> tuple[ModelConfig, ModelConfig]:
+    """Discriminator and generator configs of ``model.init_from_hf`` (its init.json, read once by ``resolve``),
+    with the overrides that are safe there."""
     init, overrides = cfg.model.init_from_hf, cfg.model.overrides
-    body = init_model_config(init).replace(**overrides)
+    body = init_model_config(recorded).replace(**overrides)
     if body.vocab_size != vocab_size:
         raise ConfigError(f"model.init_from_hf={init!r} has vocab_size={body.vocab_size} but the shards' tokenizer "
                           f"has {vocab_size}; shard the corpus with --tokenizer {init}/tokenizer")
     if cfg.data.seq_len > body.max_position_embeddings:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the initial model's max_position_embeddings="
                           f"{body.max_position_embeddings}")
-    generator = init_generator_config(init)
+    generator = init_generator_config(recorded)
     mult = cfg.model.generator_multiplier or preset_generator_multiplier(cfg.model.preset)
     return body, (generator.replace(**overrides) if generator else generator_config(body, mult))
 
@@ -388,13 +390,14 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     _check_compile(cfg, ds_config)
     sets = parse_sets(cfg.data.sets)
     train_splits = [open_split(path, "train") for path, _ in sets]
-    if cfg.data.verify == "checksum" and distributed.rank() == 0:
-        # Rank 0 alone reads every byte (once per file, see verify_checksums); the others check sizes.
+    if cfg.data.verify != "size" and distributed.rank() == 0:
+        # Rank 0 alone reads every byte (once per file unless "always", see verify_checksums); the others
+        # check sizes.
         for path, _ in sets:
-            verify_checksums(path, cfg.data.cache_dir)
+            verify_checksums(path, cfg.data.cache_dir, trust_stamp=cfg.data.verify == "checksum")
     check_same_tokenizer(train_splits)
     first = train_splits[0]
-    init = cfg.model.init_from_hf
+    init, recorded = cfg.model.init_from_hf, None
     if init:
         try:  # the format's own error names the file; the user needs to know which key pointed there
             recorded = read_init(init)
@@ -403,7 +406,7 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
         if recorded["tokenizer"]["sha256"] != first.tokenizer.get("sha256"):
             raise ConfigError(f"model.init_from_hf={init!r}: the shards were made with another tokenizer; shard "
                               f"the corpus with --tokenizer {init}/tokenizer")
-    electra = _electra_config(cfg, first.vocab_size, first.special_ids)
+    electra = _electra_config(cfg, first.vocab_size, first.special_ids, recorded)
     layers = len(pipeline_layer_names(electra))
     if cfg.pipeline.stages > layers:
         raise ConfigError(f"pipeline.stages={cfg.pipeline.stages}: the model has {layers} layers with weights to "

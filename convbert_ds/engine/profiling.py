@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from convbert_ds.engine.train_config import ProfileSection
+from convbert_ds.formats.train_config import ProfileSection
 
 
 class StepProfiler:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import deepspeed
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from convbert_ds.data.blending import describe_blend
 from convbert_ds.data.loader import build_dataloader
-from convbert_ds.engine import checkpoint, distributed, universal
+from convbert_ds.engine import checkpoint, distributed
 from convbert_ds.engine.downstream_probe import DownstreamProbes
 from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
 from convbert_ds.engine.pipeline import (
@@ -28,9 +29,11 @@ from convbert_ds.engine.plan import RunPlan
 from convbert_ds.engine.profiling import StepProfiler
 from convbert_ds.engine.progress import RunProgress
 from convbert_ds.engine.step_guard import StepGuard, Verdict
-from convbert_ds.engine.train_config import DownstreamSection
-from convbert_ds.engine.universal import Layout
+from convbert_ds.engine.universal import load_into
+from convbert_ds.formats.checkpoint import directory as tags
+from convbert_ds.formats.checkpoint import universal
 from convbert_ds.formats.init_dir import load_init_weights
+from convbert_ds.formats.train_config import DownstreamSection
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.convbert import check_inputs
 from convbert_ds.model.layers import compile_layers, compile_step, compiled_graph_count
@@ -119,11 +122,11 @@ class Trainer:
         else:
             self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
         self.is_logger = dist.get_rank() == 0
-        self.train_loader = build_dataloader(
-            cfg.data.sets, "train", seq_len=cfg.data.seq_len, micro_batch_size=self.plan.micro_batch_size,
-            seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, num_workers=cfg.data.num_workers,
-            cache_dir=cfg.data.cache_dir, progress=self.is_logger, size_exponent=cfg.data.size_exponent,
-            pack_documents=cfg.data.pack_documents)
+        data = cfg.data  # data.sets is not read again: self.sets is what the plan parsed and checked
+        loader = partial(build_dataloader, self.sets, seq_len=data.seq_len, micro_batch_size=self.plan.micro_batch_size,
+                         seed=data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, cache_dir=data.cache_dir,
+                         progress=self.is_logger, size_exponent=data.size_exponent, pack_documents=data.pack_documents)
+        self.train_loader = loader("train", num_workers=data.num_workers)
         if self.is_logger:
             run_samples = cfg.train.steps * cfg.train.global_batch_size
             print(f"data: {run_samples:,} samples over the run ({cfg.train.steps:,} steps x "
@@ -131,11 +134,7 @@ class Trainer:
                   + "\n  ".join(describe_blend(self.train_loader.dataset, run_samples)), flush=True)
         self.valid_loader = None
         if self.plan.has_valid and cfg.eval.samples > 0 and cfg.eval.interval > 0:  # never read otherwise
-            self.valid_loader = build_dataloader(
-                cfg.data.sets, "valid", seq_len=cfg.data.seq_len, micro_batch_size=self.plan.micro_batch_size,
-                seed=cfg.data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, max_samples=cfg.eval.samples,
-                cache_dir=cfg.data.cache_dir, progress=self.is_logger, size_exponent=cfg.data.size_exponent,
-                pack_documents=cfg.data.pack_documents)
+            self.valid_loader = loader("valid", max_samples=cfg.eval.samples)
         self.ckpt_dir = Path(cfg.checkpoint.dir)
         self.step, self.nonfinite_total = 0, 0
         self.phase = dict(FIRST_PHASE)  # which phase this run is, and what the earlier ones saw
@@ -154,7 +153,7 @@ class Trainer:
     def _resume(self):
         if dist.get_rank() == 0:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            removed = checkpoint.remove_incomplete(self.ckpt_dir)
+            removed = tags.remove_incomplete(self.ckpt_dir)
             if removed:
                 print(f"removed incomplete checkpoint(s) {removed} (an interrupted save)", flush=True)
         dist.barrier()
@@ -163,9 +162,9 @@ class Trainer:
             if self.plan.continue_from is not None:
                 self._start_phase(self.plan.continue_from)
             return
-        state = checkpoint.read_trainer_state(self.ckpt_dir / tag)
+        state = tags.read_trainer_state(self.ckpt_dir / tag)
         self.phase = state.get("phase", self.phase)
-        saved, now = Layout.of_checkpoint(state), self.plan.layout
+        saved, now = universal.Layout.of_checkpoint(state), self.plan.layout
         if saved == now:  # the bit-exact path: every rank reads its own files
             checkpoint.load(self.engine, self.ckpt_dir, tag)
             changed = ""
@@ -185,17 +184,17 @@ class Trainer:
     def _start_phase(self, tag_dir: Path) -> None:
         """Begin a new phase from the previous one's checkpoint (``phase.continue_from``): its weights and
         (``phase.optimizer_state``) Adam's moments, in any layout; this run's step, schedule and data start at 0."""
-        state = checkpoint.read_trainer_state(tag_dir)
+        state = tags.read_trainer_state(tag_dir)
 
         def check() -> None:
-            problem = checkpoint.verify(tag_dir, self.cfg.checkpoint.verify)
+            problem = tags.verify(tag_dir, self.cfg.checkpoint.verify)
             if problem is not None:
-                raise checkpoint.CheckpointError(f"phase.continue_from: {tag_dir} is damaged ({problem}); point "
+                raise tags.CheckpointError(f"phase.continue_from: {tag_dir} is damaged ({problem}); point "
                                                  "phase.continue_from at an older checkpoint of that run")
 
         distributed.on_rank0(check)
-        self._convert_to_universal(tag_dir, Layout.of_checkpoint(state))
-        universal.load_into(self.engine, tag_dir / universal.UNIVERSAL, self.electra, self.pipelined,
+        self._convert_to_universal(tag_dir, universal.Layout.of_checkpoint(state))
+        load_into(self.engine, tag_dir / tags.UNIVERSAL, self.electra, self.pipelined,
                             new_phase=True, moments=self.cfg.phase.optimizer_state)
         before = state.get("phase", FIRST_PHASE)
         # A checkpoint's counts are totals over its phase and every one before it.
@@ -209,10 +208,10 @@ class Trainer:
                   f"{'weights and Adam moments' if self.cfg.phase.optimizer_state else 'weights only'}, then "
                   f"{self.cfg.train.steps} steps of its own: new learning-rate schedule, new data order", flush=True)
 
-    def _convert_to_universal(self, tag_dir: Path, saved: Layout) -> None:
+    def _convert_to_universal(self, tag_dir: Path, saved: universal.Layout) -> None:
         """Rank 0 writes ``tag_dir/universal`` once (kept there for the next reader); every rank waits."""
         def convert() -> None:
-            if not (tag_dir / universal.UNIVERSAL / universal.META).is_file():
+            if not (tag_dir / tags.UNIVERSAL / universal.META).is_file():
                 print(f"converting {tag_dir} ({saved}) to a universal checkpoint for {self.plan.layout}", flush=True)
             try:
                 universal.convert(tag_dir, saved, self.electra)
@@ -221,16 +220,16 @@ class Trainer:
 
         distributed.on_rank0(convert)
 
-    def _load_other_layout(self, tag: str, saved: Layout) -> str:
+    def _load_other_layout(self, tag: str, saved: universal.Layout) -> str:
         """Resume a checkpoint written in another layout through its universal copy (converted once by
         rank 0, kept beside the checkpoint for the next resume); returns the log line's addition."""
         tag_dir = self.ckpt_dir / tag
         self._convert_to_universal(tag_dir, saved)
-        universal.load_into(self.engine, tag_dir / universal.UNIVERSAL, self.electra, self.pipelined)
+        load_into(self.engine, tag_dir / tags.UNIVERSAL, self.electra, self.pipelined)
         # The saved random streams belong to the old ranks; new ones, the same on every rerun.
-        seed = np.random.SeedSequence([self.cfg.train.seed, checkpoint.step_of(tag), dist.get_rank()])
+        seed = np.random.SeedSequence([self.cfg.train.seed, tags.step_of(tag), dist.get_rank()])
         torch.manual_seed(int(seed.generate_state(1)[0]))
-        return (f"; layout changed: {saved} -> {self.plan.layout} (through {tag_dir / universal.UNIVERSAL}, kept "
+        return (f"; layout changed: {saved} -> {self.plan.layout} (through {tag_dir / tags.UNIVERSAL}, kept "
                 "for the next resume; random streams reseeded)")
 
     # The loop ---------------------------------------------------------------------

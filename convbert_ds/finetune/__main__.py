@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from convbert_ds.errors import ArgumentParser, exit_on_user_error
+from convbert_ds.cli import ArgumentParser, exit_on_user_error
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.recipe import PRECISIONS, Recipe
 from convbert_ds.finetune.run import RunSpec, run

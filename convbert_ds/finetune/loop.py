@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from convbert_ds.engine.checkpoint import rng_state, set_rng_state, truncate_jsonl
 from convbert_ds.finetune.batches import Encoded, collate, epoch_batches, eval_batches
 from convbert_ds.finetune.metrics import compute_metrics
 from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.tasks import TaskData
-from convbert_ds.fsutil import write_bytes_atomically
+from convbert_ds.formats.checkpoint.rng import rng_state, set_rng_state
+from convbert_ds.fsutil import truncate_jsonl, write_bytes_atomically
 from convbert_ds.model import ConvBertForSequenceClassification
 from convbert_ds.model.optim import layerwise_param_groups, linear_warmup_decay
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from convbert_ds.engine.checkpoint import TRAINER_STATE, latest_complete
+from convbert_ds.formats.checkpoint.directory import TRAINER_STATE, latest_complete
 from convbert_ds.config import ConfigError, ModelConfig
 from convbert_ds.convert import ConvertError, convert_checkpoint, open_checkpoint
 from convbert_ds.finetune.errors import FinetuneError

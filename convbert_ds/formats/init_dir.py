@@ -57,14 +57,19 @@ def read_init(init_dir) -> dict:
     return init
 
 
-def init_model_config(init_dir) -> ModelConfig:
-    """The main body's config (the discriminator; the masked LM for objective mlm)."""
-    return ModelConfig.from_dict(read_init(init_dir)["model"])
+def _record(init) -> dict:
+    return init if isinstance(init, dict) else read_init(init)
 
 
-def init_generator_config(init_dir) -> ModelConfig | None:
+def init_model_config(init) -> ModelConfig:
+    """The main body's config (the discriminator; the masked LM for objective mlm). ``init``: INIT_DIR,
+    or what ``read_init`` returned for it (read once by a caller that needs several of its fields)."""
+    return ModelConfig.from_dict(_record(init)["model"])
+
+
+def init_generator_config(init) -> ModelConfig | None:
     """The generator's config when INIT_DIR has generator weights, else None (the trainer picks one)."""
-    generator = read_init(init_dir)["generator"]
+    generator = _record(init)["generator"]
     return ModelConfig.from_dict(generator) if generator else None
 
 

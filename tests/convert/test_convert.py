@@ -21,7 +21,7 @@ from convbert_ds.convert import ConvertError, convert_checkpoint, open_checkpoin
 from convbert_ds.convert.__main__ import main as cli_main
 from convbert_ds.convert.model_card import CardFacts
 from convbert_ds.model import ElectraForPretraining
-from convbert_ds.engine.pipeline import pipeline_layer_names
+from convbert_ds.formats.checkpoint.names import pipeline_layer_names
 from launch import REPO, check, env, run_training
 from shard_factory import read_text_documents
 from slurm_cluster import recording_prefix

@@ -6,7 +6,7 @@ import yaml
 from convbert_ds.config import ElectraConfig
 from convbert_ds.convert.model_card import CardFacts, model_card
 from convbert_ds.engine.metrics_log import MetricsLog
-from convbert_ds.engine.train_config import load_config
+from convbert_ds.formats.train_config import load_config
 from launch import TINY_CONFIG
 
 

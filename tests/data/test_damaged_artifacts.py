@@ -68,6 +68,26 @@ def test_checksums_are_read_once_per_file_and_again_after_a_change(tiny_corpus, 
         verify_checksums(shards)
 
 
+def test_bit_rot_that_keeps_size_and_mtime_is_caught_by_verify_always(tiny_corpus, tmp_path, capsys):
+    """The stamp trusts an unchanged size and mtime (``data.verify: checksum``); ``always`` re-hashes."""
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_corpus["shards"], shards, ignore=shutil.ignore_patterns("index_cache"))
+    def check(verify: str) -> int:
+        return train.main(["--config", str(TINY_CONFIG), f"data.sets=[{{path: '{shards}'}}]", f"data.verify={verify}",
+                           "--check-config", "--world-size", "2"])
+
+    assert check("checksum") == 0  # stamps every file
+    rotten = shards / "train" / "shard-00000.bin"
+    stat = rotten.stat()
+    _damage(rotten, "bit-flipped")
+    os.utime(rotten, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # what rot on the disk looks like: nothing moved
+    capsys.readouterr()
+    assert check("checksum") == 0  # trusted, as documented
+    assert check("always") == 2
+    err = _err_lines(capsys)
+    assert len(err) == 1 and f"{rotten}: sha256 differs" in err[0], err
+
+
 def test_sets_sharing_a_cache_dir_keep_their_own_checksum_stamps(tiny_corpus, tmp_path):
     """Two shard dirs have the same relative file names; one data.cache_dir must not mix their stamps."""
     from convbert_ds.data.shards import verify_checksums

@@ -10,7 +10,7 @@ import pytest
 import torch
 from shard_factory import corpus, write_shard_dir
 
-from convbert_ds.data.loader import build_dataloader, build_dataset
+from convbert_ds.data.loader import build_dataloader, build_dataset, parse_sets
 
 SEQ_LEN, MBS = 64, 4
 
@@ -134,3 +134,9 @@ def test_bad_weights(shard_dir):
                                                                                          "weight": 0}])
     _expect(ValueError, r"data\.sets is empty", [])
     _expect(ValueError, r"data\.sets\[0\] has no 'path'", [{"weight": 1.0}])
+
+
+def test_sets_as_the_plan_parsed_them_read_the_same(shard_dir):
+    """The trainer hands the loader ``parse_sets``'s own output: parsing it again changes nothing."""
+    raw = [{"path": str(shard_dir), "weight": 2.0}, shard_dir]
+    assert parse_sets(parse_sets(raw)) == parse_sets(raw) == [(shard_dir, 2.0), (shard_dir, 1.0)]

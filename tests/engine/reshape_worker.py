@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from convbert_ds.engine import distributed
 from convbert_ds.engine.plan import resolve
-from convbert_ds.engine.train_config import load_config
+from convbert_ds.formats.train_config import load_config
 from convbert_ds.engine.trainer import Preemption, Trainer
 from convbert_ds.engine.universal import gather_state
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from convbert_ds.engine import checkpoint
+from convbert_ds.formats.checkpoint import directory as checkpoint
+from convbert_ds.formats.checkpoint import rng
 from launch import check, run_training, train_metrics
 
 TAG2, TAG4, TAG6 = (checkpoint.tag_for(step) for step in (2, 4, 6))
@@ -110,16 +111,16 @@ def test_rng_file_loads_with_weights_only(tmp_path):
     np.random.seed(2)
     random.seed(3)
     np.random.standard_normal()  # a cached gaussian in numpy's state too
-    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
+    torch.save(rng.rng_state(), tmp_path / "rng.pt")
     expected = (torch.rand(3), np.random.rand(3), random.random())
-    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    rng.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
     # Files written before (numpy's state pickled as an array) stay resumable, weights-only too.
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                tmp_path / "old.pt")
     expected = (torch.rand(3), np.random.rand(3), random.random())
-    checkpoint.set_rng_state(checkpoint.load_rng_file(tmp_path / "old.pt"))
+    rng.set_rng_state(rng.load_rng_file(tmp_path / "old.pt"))
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1]) and random.random() == expected[2]
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
 from convbert_ds import train
-from convbert_ds.engine.train_config import Key, TrainConfig
+from convbert_ds.formats.train_config import Key, TrainConfig
 from launch import TINY_CONFIG
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,

@@ -14,7 +14,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from convbert_ds.config import ConfigError
 from convbert_ds.engine.plan import build_ds_config, host_sync_warnings, load_ds_config, precision_of
-from convbert_ds.engine.train_config import load_config
+from convbert_ds.formats.train_config import load_config
 from launch import REPO, TINY_CONFIG
 
 FILES = sorted((REPO / "ds_configs").glob("*.json"))

@@ -7,7 +7,6 @@ and both Adam moments after loading must equal what A saved, bit for bit (every 
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,8 +17,9 @@ from safetensors.torch import load_file
 from convbert_ds.config import ConfigError
 from convbert_ds.convert import open_checkpoint, read_state_dict
 from convbert_ds.engine.plan import resolve
-from convbert_ds.engine.train_config import load_config
-from convbert_ds.engine import universal
+from convbert_ds.formats.train_config import load_config
+from convbert_ds.formats.checkpoint import universal
+from convbert_ds.formats.checkpoint.directory import UNIVERSAL
 from launch import REPO, TINY_CONFIG, check, env, free_port, run_group, run_training, train_metrics
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_resume_on_another_layout_restores_the_saved_state(before, after, tiny_c
     assert_same_state(saved["state"], loaded["state"])
     for key in ("consumed_samples", "lr", "global_steps", "global_samples"):
         assert loaded["info"][key] == saved["info"][key], key
-    assert (tmp_path / "checkpoints" / "step00000003" / universal.UNIVERSAL / universal.META).is_file()
+    assert (tmp_path / "checkpoints" / "step00000003" / UNIVERSAL / universal.META).is_file()
     # The converter reads the universal copy now: the same weights as from the layout's own files.
     from_universal, how_now = read_state_dict(open_checkpoint(tmp_path / "checkpoints"))
     assert "universal" in how_now and "universal" not in how
@@ -111,10 +111,10 @@ def test_killed_conversion_is_redone(tiny_corpus, tmp_path):
                           extra_env={"CONVBERT_DS_KILL_DURING_CONVERSION": "1"})
     assert killed.returncode != 0
     tag = tmp_path / "checkpoints" / "step00000002"
-    assert not (tag / universal.UNIVERSAL).exists() and list(tag.glob(f".{universal.UNIVERSAL}.tmp-*"))
+    assert not (tag / UNIVERSAL).exists() and list(tag.glob(f".{UNIVERSAL}.tmp-*"))
     output = check(run_training(tmp_path, shards, *common, "train.steps=4", nproc=1))
     assert "converting" in output and "resumed from" in output
-    assert not list(tag.glob(f".{universal.UNIVERSAL}.tmp-*"))
+    assert not list(tag.glob(f".{UNIVERSAL}.tmp-*"))
     assert [r["step"] for r in train_metrics(tmp_path)] == [1, 2, 3, 4]
 
 

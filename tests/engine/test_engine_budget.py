@@ -40,7 +40,7 @@ MEASURED = {"zero1_bf16": (301, 2), "zero0_fp32": (236, 0)}
 
 def _ds_config(name: str, lean: bool) -> dict:
     from convbert_ds.engine.plan import build_ds_config, load_ds_config, precision_of
-    from convbert_ds.engine.train_config import load_config
+    from convbert_ds.formats.train_config import load_config
 
     cfg = load_config(TINY_CONFIG, [f"deepspeed.config=ds_configs/{name}.json", "train.precision=null",
                                     "train.micro_batch_size=2", "train.global_batch_size=2"])

@@ -17,7 +17,8 @@ import torch
 
 from convbert_ds.config import ElectraConfig
 from convbert_ds.model import ElectraForPretraining
-from convbert_ds.engine.pipeline import check_pipeline_ds_config, pipeline_layer_names
+from convbert_ds.engine.pipeline import check_pipeline_ds_config
+from convbert_ds.formats.checkpoint.names import pipeline_layer_names
 from launch import run_group
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")

@@ -12,7 +12,7 @@ import shlex
 import pytest
 
 from convbert_ds.engine.plan import resolve
-from convbert_ds.engine.train_config import load_config
+from convbert_ds.formats.train_config import load_config
 from launch import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -8,7 +8,7 @@ import pytest
 
 from convbert_ds.config import ConfigError
 from convbert_ds.engine.plan import resolve
-from convbert_ds.engine.train_config import load_config
+from convbert_ds.formats.train_config import load_config
 from launch import TINY_CONFIG, check, run_training
 from wandb_records import offline_runs
 

@@ -12,7 +12,7 @@ import pytest
 
 from convbert_ds.config import ConfigError
 from convbert_ds.engine.plan import resolve
-from convbert_ds.engine.train_config import load_config
+from convbert_ds.formats.train_config import load_config
 from launch import REPO, TINY_CONFIG, check, env, run_training, train_metrics
 
 pytestmark = pytest.mark.slow
@@ -24,12 +24,12 @@ def _falls(rows, key="loss", window=3, margin=1.0) -> bool:
     return last < first - margin
 
 
-@pytest.mark.parametrize("ds_config", ["zero0_bf16", "zero1_bf16", "zero2_bf16", "zero3_bf16",
-                                       "zero3_offload_bf16"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+# Every bf16 file trains; each precision runs with a partitioned optimizer (ZeRO-1/3 bf16, ZeRO-2 fp32) and
+# without (ZeRO-0 both): the combinations that take different optimizer code paths, not all ten.
+@pytest.mark.parametrize(("ds_config", "precision"), [
+    ("zero0_bf16", "fp32"), ("zero0_bf16", "bf16"), ("zero1_bf16", "bf16"), ("zero2_bf16", "fp32"),
+    ("zero3_bf16", "bf16"), ("zero3_offload_bf16", "bf16")])
 def test_zero_stages_train_with_falling_loss(ds_config, precision, tiny_corpus, tmp_path):
-    if ds_config == "zero3_offload_bf16" and precision == "fp32":
-        pytest.skip("one offload run is enough")
     shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     output = check(run_training(tmp_path, tiny_corpus["shards"], f"deepspeed.config=ds_configs/{ds_config}.json",
                                 f"train.precision={precision}", "train.steps=16", "train.warmup_steps=4",

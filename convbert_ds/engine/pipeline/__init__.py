@@ -23,10 +23,10 @@ Layers (ELECTRA; the indices of the ``tiny`` preset, whose bodies have 2 layers 
 
 A DeepSpeed pipeline checkpoint holds ``layer_{index:02d}-model_states.pt`` per layer (``layer_00``'s
 is empty; layer 6 writes none); key ``k`` of a file is the plain parameter ``prefix + k``.
-``pipeline_layer_names(config)`` gives every prefix for any config (the projections exist only where
-embedding and hidden widths differ); indices do not depend on the number of stages, which only
-decides which stage runs each layer. The ``mlm`` objective ends at layer 6 (output layer only) and its
-shared embeddings are ``generator.convbert.embeddings.``.
+``pipeline_layer_names(config)`` in ``convbert_ds.formats.checkpoint.names`` gives every prefix for any
+config (the projections exist only where embedding and hidden widths differ); indices do not depend on
+the number of stages, which only decides which stage runs each layer. The ``mlm`` objective ends at
+layer 6 (output layer only) and its shared embeddings are ``generator.convbert.embeddings.``.
 
 Every layer passes one tuple to the next: a ``NamedTuple`` of ``layers.py`` (which explains its form,
 an int64 ``[fields, B, T]`` tensor then the floats), holding what the rest of the step needs after that
@@ -40,11 +40,10 @@ from convbert_ds.engine.pipeline.module import (
     check_pipeline_ds_config,
     load_plain_state_dict,
     pipeline_batch,
-    pipeline_layer_names,
     pipeline_metrics,
 )
 
 __all__ = [
     "METRIC_NAMES", "build_pipeline_module", "check_pipeline_ds_config", "draw_stream_seed",
-    "load_plain_state_dict", "pipeline_batch", "pipeline_layer_names", "pipeline_metrics",
+    "load_plain_state_dict", "pipeline_batch", "pipeline_metrics",
 ]

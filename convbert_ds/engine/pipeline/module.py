@@ -12,6 +12,7 @@ from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentra
 from torch import nn
 
 from convbert_ds.config import ConfigError, ElectraConfig
+from convbert_ds.formats.checkpoint.names import SHARED_EMBEDDINGS_LAYER, pipeline_layer_names, pipeline_layer_prefixes
 from convbert_ds.model.electra import METRIC_NAMES as ELECTRA_METRIC_NAMES
 from convbert_ds.model.electra import PretrainingOutput, electra_output
 from convbert_ds.engine.pipeline.layers import (
@@ -39,13 +40,12 @@ METRIC_NAMES = {
 }
 
 
-def _layer_plan(config: ElectraConfig, seed: int | None = None, packed: bool = False
-                ) -> list[tuple[LayerSpec, str | None]]:
-    """(spec, plain-model prefix of the layer's own parameters or None) for every pipeline layer, in order.
-    ``packed``: batches hold several documents (``document_ids``), kept apart as the plain model does."""
+def _layer_plan(config: ElectraConfig, seed: int | None = None, packed: bool = False) -> list[LayerSpec]:
+    """A spec for every pipeline layer, in the order of ``pipeline_layer_prefixes`` (which names their
+    parameters). ``packed``: batches hold several documents (``document_ids``), kept apart as the plain
+    model does."""
     electra = config.objective == "electra"
     disc, gen = config.discriminator, (config.generator if electra else config.discriminator)
-    shared_prefix = "discriminator.convbert.embeddings." if electra else "generator.convbert.embeddings."
     # Every stage holding a copy of the table keeps the tensors it uses in step: all of them for ELECTRA
     # (the discriminator's embeddings), only the word table for MLM (its output layer). Listing a tensor
     # a stage never uses would leave it without a gradient to all-reduce.
@@ -55,28 +55,19 @@ def _layer_plan(config: ElectraConfig, seed: int | None = None, packed: bool = F
         return TiedLayerSpec(EMBEDDINGS_KEY, SharedEmbeddings, disc, packed, forward_fn=forward_fn,
                              tied_weight_attr=tied)
 
-    def body(prefix: str, model_config, state) -> list[tuple[LayerSpec, str]]:
-        layers = []
-        if model_config.embedding_size != model_config.hidden_size:
-            layers.append((LayerSpec(EmbeddingProjection, model_config, state), f"{prefix}embeddings_project."))
-        layers += [(LayerSpec(EncoderLayer, model_config, state, packed), f"{prefix}encoder.layer.{i}.")
-                   for i in range(model_config.num_hidden_layers)]
-        return layers
+    def body(model_config, state) -> list[LayerSpec]:
+        projection = [LayerSpec(EmbeddingProjection, model_config, state)] \
+            if model_config.embedding_size != model_config.hidden_size else []
+        return projection + [LayerSpec(EncoderLayer, model_config, state, packed)
+                             for _ in range(model_config.num_hidden_layers)]
 
-    plan = [(LayerSpec(MaskingLayer, config, seed), None), (shared(), shared_prefix)]
-    plan += body("generator.convbert.", gen, GeneratorHidden)
-    plan += [(LayerSpec(GeneratorHead, gen, config), "generator."),
-             (shared(partial(generator_output_forward, config=config)), None)]
+    plan = [LayerSpec(MaskingLayer, config, seed), shared(), *body(gen, GeneratorHidden),
+            LayerSpec(GeneratorHead, gen, config), shared(partial(generator_output_forward, config=config))]
     if electra:
-        plan += body("discriminator.convbert.", disc, DiscriminatorHidden)
-        plan.append((LayerSpec(RTDHead, disc), "discriminator.discriminator_predictions."))
+        plan += [*body(disc, DiscriminatorHidden), LayerSpec(RTDHead, disc)]
+    if len(plan) != len(pipeline_layer_prefixes(config)):
+        raise AssertionError("the pipeline's layers and formats.checkpoint.names disagree: change both together")
     return plan
-
-
-def pipeline_layer_names(config: ElectraConfig) -> dict[int, str]:
-    """Pipeline layer index -> the plain ``ElectraForPretraining`` prefix of that layer's parameters (see the
-    package docstring); the layers without a file of their own are absent."""
-    return {index: prefix for index, (_, prefix) in enumerate(_layer_plan(config)) if prefix is not None}
 
 
 class ElectraPipelineLoss:
@@ -129,7 +120,7 @@ def build_pipeline_module(config: ElectraConfig, num_stages: int, partition_meth
         seed += dist.get_rank()
     plan = _layer_plan(config, seed, packed)
     module = PipelineModule(
-        layers=[spec for spec, _ in plan], num_stages=num_stages, loss_fn=ElectraPipelineLoss(config),
+        layers=plan, num_stages=num_stages, loss_fn=ElectraPipelineLoss(config),
         partition_method=partition_method, activation_checkpoint_interval=activation_checkpoint_interval,
         activation_checkpoint_func=non_reentrant_checkpoint, checkpointable_layers=[EncoderLayer.__name__])
     module.electra_config = config
@@ -152,7 +143,7 @@ def load_plain_state_dict(module: PipelineModule, state_dict: dict[str, torch.Te
         if prefix is not None:
             load(layer, prefix)
     for shared in module.tied_modules.values():  # also the copies that no layer file holds
-        load(shared, names[1])
+        load(shared, names[SHARED_EMBEDDINGS_LAYER])
 
 
 def pipeline_metrics(engine) -> dict[str, float]:

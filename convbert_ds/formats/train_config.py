@@ -103,9 +103,10 @@ class DataSection:
         "cross_document.py); false: one piece of one document per sample, padded")] = True
     num_workers: Annotated[int, Key("data-loader worker processes per rank", min=0, max=256)] = 1
     cache_dir: Annotated[str | None, Key("where sample indexes go when the shard dirs are read-only")] = None
-    verify: Annotated[Literal["size", "checksum"], Key(
-        "how shard files are checked at start: size, or checksum (also sha256 against the manifest, on rank 0, "
-        "once per file: a stamp in the index cache skips files unchanged since)")] = "checksum"
+    verify: Annotated[Literal["size", "checksum", "always"], Key(
+        "how shard files are checked at start: size; checksum (also sha256 against the manifest, on rank 0, "
+        "once per file: a stamp in the index cache skips files whose size and mtime are unchanged since); "
+        "always (sha256 of every file at every start: bit rot that keeps size and mtime is caught too)")] = "checksum"
     size_exponent: Annotated[float, Key(
         "alpha of temperature sampling: set i is drawn in proportion to weight_i x samples_i^alpha; 0: the "
         "weights alone; 1: in proportion to size too; 0.3-0.7: as multilingual pretraining samples languages",

@@ -9,9 +9,11 @@ ignored). Every mismatch is reported by tensor name, with both shapes.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from convbert_ds.config import ConfigError, ModelConfig
@@ -50,9 +52,14 @@ def read_weights(directory) -> dict[str, torch.Tensor]:
     for name in WEIGHT_FILES:
         path = directory / name
         if path.is_file():
-            if name.endswith(".safetensors"):
-                return load_file(path)
-            return torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                if name.endswith(".safetensors"):
+                    return load_file(path)
+                return torch.load(path, map_location="cpu", weights_only=True)
+            except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+                why = str(error).splitlines()[0] if str(error) else type(error).__name__
+                raise WeightsError(f"{path}: unreadable ({why}); the file is damaged or of another format: "
+                                   "copy or convert the model again") from None
     raise WeightsError(f"no weights in {directory}: expected one of {WEIGHT_FILES}")
 
 

@@ -2,8 +2,9 @@
 process group, not at the first evaluation hours later) and reported in one line naming the file, exit 2.
 
 Shard directories (train and valid splits: ``.bin``, ``.idx`` and the manifest, truncated, bit-flipped or
-emptied), tokenizer directories missing each file, and HF model directories with a wrong ``config.json``.
-Damaged checkpoints are ``tests/engine/test_checkpoint_integrity.py``'s.
+emptied; bit rot that keeps size and mtime), tokenizer directories missing each file, HF model directories
+with a wrong ``config.json`` or damaged weights, a checkpoint's damaged ``trainer_state.json``. The other
+damaged checkpoint files are ``tests/engine/test_checkpoint_integrity.py``'s.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import transformers
@@ -144,6 +146,39 @@ def test_an_hf_dir_with_a_wrong_config_json_is_one_line(damage, message, hf_dir,
     err = _err_lines(capsys)
     assert code == 2 and len(err) == 1, err
     assert message in err[0] and str(model) in err[0], err
+
+
+@pytest.mark.parametrize("kind", ["truncated", "emptied", "header"])
+def test_an_hf_dir_with_damaged_weights_is_one_line(kind, hf_dir, tmp_path, capsys):
+    """A weights file cut short, emptied, or with a flipped byte in its header (one in the tensors' bytes
+    cannot be told from a trained value: transformers directories carry no checksums)."""
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model)
+    weights = model / "model.safetensors"
+    if kind == "header":
+        data = bytearray(weights.read_bytes())
+        data[20] ^= 0x10
+        weights.write_bytes(bytes(data))
+    else:
+        _damage(weights, kind)
+    code = convert_main(["--from-hf", str(model), "--out", str(tmp_path / "init")])
+    err = _err_lines(capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{weights}: unreadable" in err[0], err
+
+
+@pytest.mark.parametrize("content", ['{"step": 2, "da', "[1, 2]", ""])
+def test_a_damaged_trainer_state_is_one_line(content, tmp_path, capsys):
+    """The converter opens a tag by its trainer_state.json (the checkpoint of tests/convert/checkpoint_v1)."""
+    fixture = Path(__file__).parents[1] / "convert" / "checkpoint_v1"
+    shutil.copytree(fixture / "checkpoints", tmp_path / "checkpoints")
+    state = tmp_path / "checkpoints" / "step00000002" / "trainer_state.json"
+    state.write_text(content)
+    code = convert_main(["--checkpoint", str(tmp_path / "checkpoints"), "--out", str(tmp_path / "hf"),
+                         "--tokenizer", str(fixture / "tokenizer")])
+    err = _err_lines(capsys)
+    assert code == 2 and len(err) == 1, err
+    assert str(state) in err[0] and "the tag is damaged" in err[0], err
 
 
 def test_a_set_without_a_validation_split_warns_at_start(tmp_path, capsys):

@@ -58,6 +58,7 @@ MANIFEST_FORMAT = 1
 VERIFY_MODES = ("size", "checksum")
 HASH_THREADS = 8  # hashlib releases the GIL: threads hash files side by side (and overlap network reads)
 _TAG = re.compile(r"^step(\d{8,})$")
+_DAMAGED_TAG = "the tag is damaged: use an older one (the converter's --tag, or its name in checkpoint.dir/latest)"
 
 
 class CheckpointError(UserError):
@@ -215,4 +216,11 @@ def choose_resume_tag(directory: Path, verify_mode: str) -> str | None:
 
 def read_trainer_state(tag_dir: Path) -> dict:
     """A tag's ``trainer_state.json``: step, sampler state, config, layout, tokenizer."""
-    return json.loads((tag_dir / TRAINER_STATE).read_text())
+    path = tag_dir / TRAINER_STATE
+    try:
+        state = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error}); {_DAMAGED_TAG}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: a JSON {type(state).__name__}, not the trainer's state object; {_DAMAGED_TAG}")
+    return state

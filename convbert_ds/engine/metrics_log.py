@@ -23,15 +23,17 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import uuid
 from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
 
 from convbert_ds.formats.train_config import LogSection
-from convbert_ds.fsutil import truncate_jsonl
+from convbert_ds.fsutil import truncate_jsonl, write_text_atomically
 
 RUN_ID_FILE = "wandb_run_id"
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class MetricsLog:
@@ -87,13 +89,14 @@ class MetricsLog:
 def _start_wandb(section: LogSection, log_dir: Path, run_config: dict):
     import wandb  # optional: its absence is a config error (engine/plan.py), found before any rank starts
     id_file = log_dir / RUN_ID_FILE
-    if id_file.is_file():
-        run_id = id_file.read_text().strip()
-    else:
+    run_id = id_file.read_bytes().decode("ascii", "replace").strip() if id_file.is_file() else None
+    if run_id is not None and not _RUN_ID.fullmatch(run_id):  # damaged: a new run beats a crash at start
+        print(f"warning: {id_file} is damaged ({run_id[:40]!r} is not a W&B run id); this run logs to a new "
+              "W&B run", flush=True)
+        run_id = None
+    if run_id is None:
         run_id = uuid.uuid4().hex[:12]
-        partial = id_file.with_suffix(".tmp")
-        partial.write_text(run_id + "\n")
-        partial.replace(id_file)
+        write_text_atomically(id_file, run_id + "\n")
     w = section.wandb
     run = wandb.init(project=w.project, entity=w.entity, name=w.name or log_dir.resolve().parent.name,
                      tags=list(w.tags), mode=w.mode, dir=str(log_dir), id=run_id, resume="allow",

@@ -55,3 +55,17 @@ def test_wandb_errors_are_one_line_before_any_rank(tiny_corpus, monkeypatch):
     with pytest.raises(ConfigError, match=r"log\.wandb\.project='p' needs the wandb package, which is not "
                                           r"installed: pip install wandb \(or set log\.wandb\.project=null\)"):
         resolve(load_config(TINY_CONFIG, [sets, "log.wandb.project=p"]), world_size=2)
+
+
+@pytest.mark.parametrize("damage", [b"", b"\xff\xfe garbage \x00", b"two words\n"])
+def test_a_damaged_wandb_run_id_file_starts_a_new_run_with_a_warning(damage, tiny_corpus, tmp_path, capsys):
+    from convbert_ds.engine.metrics_log import RUN_ID_FILE, _start_wandb
+    cfg = load_config(TINY_CONFIG, [f"data.sets=[{{path: '{tiny_corpus['shards']}'}}]", "log.wandb.project=p",
+                                    "log.wandb.mode=offline"])
+    (tmp_path / RUN_ID_FILE).write_bytes(damage)
+    run = _start_wandb(cfg.log, tmp_path, {})
+    run.finish()
+    new_id = (tmp_path / RUN_ID_FILE).read_text().strip()
+    assert run.id == new_id and len(new_id) == 12
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert f"{tmp_path / RUN_ID_FILE} is damaged" in line and "logs to a new W&B run" in line

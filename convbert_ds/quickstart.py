@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="fine-tuning seeds per init (None: 3, 1 with --smoke)")
     parser.add_argument("--ranks", type=int, default=2, choices=(1, 2, 4, 8),
                         help="processes for the deepspeed launcher (the global batch stays 64)")
-    parser.add_argument("--vocab-size", type=bounded(int, min=8), default=8000, help="the tokenizer's vocabulary size")
+    parser.add_argument("--vocab-size", type=bounded(int, min=1), default=8000, help="the tokenizer's vocabulary size")
     args = parser.parse_args(argv)
     smoke = SMOKE if args.smoke else {}
     work = Path(args.work_dir or ("runs/quickstart-smoke" if args.smoke else "runs/quickstart")).resolve()

@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input", nargs="+", action="extend", required=True, metavar="GLOB",
                         help="text/JSONL/JSON/Parquet files, save_to_disk dirs, globs; .gz/.bz2/.xz/.zst ok")
     parser.add_argument("--out", required=True, help="tokenizer directory to write")
-    parser.add_argument("--vocab-size", type=bounded(int, min=8), default=30522, help="pieces in the vocabulary")
+    parser.add_argument("--vocab-size", type=bounded(int, min=1), default=30522, help="pieces in the vocabulary")
     parser.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram", help="sentencepiece model")
     parser.add_argument("--text-field", default="text", help="field holding the text in JSON/Parquet/Arrow inputs")
     parser.add_argument("--input-sentence-size", type=bounded(int, min=1), default=2_000_000,

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"fine-tuned classifier (transformers ConvBertForSequenceClassification): "
           f"{work / 'finetune' / 'pretrained' / 'best'}")
     if args.smoke:
-        print("(smoke budget: this model is too small to beat random init; the full quickstart is what shows it)")
+        print("(smoke budget: this model is too small to beat random init; the full quickstart is what measures it)")
 
 
 if __name__ == "__main__":

@@ -12,3 +12,9 @@ EXIT_USER_ERROR = 2
 
 class UserError(Exception):
     """Bad input: a config value, a path, a flag, a file's content. The message says what and how to fix it."""
+
+
+def first_line(error: BaseException) -> str:
+    """What an error says, in one line (its first), or its type's name when it says nothing: for messages
+    that wrap another library's error."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__

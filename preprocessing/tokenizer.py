@@ -105,7 +105,8 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self.sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
         except RuntimeError as error:  # sentencepiece's only error for a file that does not parse as a model
-            raise PreprocessingError(f"{model_file}: not a sentencepiece model ({str(error).strip().splitlines()[-1]}); "
+            why = str(error).strip().splitlines()[-1]
+            raise PreprocessingError(f"{model_file}: not a sentencepiece model ({why}); "
                                      "copy the tokenizer directory again, or train it again with python -m "
                                      "preprocessing.tokenizer") from None
         self.vocab_size = self.sp.get_piece_size()

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from convbert_ds.config import ConfigError, ElectraConfig
-from convbert_ds.formats.checkpoint import directory as ckpt_layout
+from convbert_ds.formats.checkpoint import directory as tags
 from convbert_ds.formats.checkpoint.names import pipeline_layer_names
 from convbert_ds.formats.checkpoint.universal import META, Layout
 from convbert_ds.formats.init_dir import ConvertError, match_weights
@@ -57,24 +57,24 @@ def open_checkpoint(checkpoint_dir, tag: str | None = None) -> Checkpoint:
     root = Path(checkpoint_dir)
     if not root.is_dir():
         raise ConvertError(f"checkpoint directory {root} does not exist")
-    if tag is None and (root / ckpt_layout.TRAINER_STATE).is_file():
+    if tag is None and (root / tags.TRAINER_STATE).is_file():
         root, tag = root.parent, root.name
     if tag is None:
-        tag = ckpt_layout.latest_complete(root)
+        tag = tags.latest_complete(root)
         if tag is None:
             raise ConvertError(f"{root} holds no complete checkpoint (a stepNNNNNNNN directory with a "
-                               f"{ckpt_layout.COMPLETE} file); pass the trainer's checkpoint.dir")
+                               f"{tags.COMPLETE} file); pass the trainer's checkpoint.dir")
     path = root / tag
     if not path.is_dir():
         raise ConvertError(f"checkpoint tag {tag} not found in {root}; complete tags: "
-                           f"{ckpt_layout.complete_tags(root) or 'none'}")
-    if not (path / ckpt_layout.COMPLETE).is_file():
-        raise ConvertError(f"checkpoint {path} is incomplete (no {ckpt_layout.COMPLETE} file: its save was "
-                           f"interrupted); complete tags: {ckpt_layout.complete_tags(root) or 'none'}")
-    state_file = path / ckpt_layout.TRAINER_STATE
+                           f"{tags.complete_tags(root) or 'none'}")
+    if not (path / tags.COMPLETE).is_file():
+        raise ConvertError(f"checkpoint {path} is incomplete (no {tags.COMPLETE} file: its save was "
+                           f"interrupted); complete tags: {tags.complete_tags(root) or 'none'}")
+    state_file = path / tags.TRAINER_STATE
     if not state_file.is_file():
         raise ConvertError(f"{state_file} not found: not a checkpoint written by convbert_ds.train")
-    state = ckpt_layout.read_trainer_state(path)
+    state = tags.read_trainer_state(path)
     try:
         electra = ElectraConfig(**state["electra_config"])
     except (KeyError, TypeError, ConfigError) as error:
@@ -208,7 +208,7 @@ def _pipeline_state(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
 
 def read_state_dict(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     """(fp32 weights under ``ElectraForPretraining`` names, incl. tied aliases; where they came from)."""
-    converted = ckpt.directory / ckpt_layout.UNIVERSAL
+    converted = ckpt.directory / tags.UNIVERSAL
     if (converted / META).is_file():  # what a resume on another layout made: the same fp32 masters
         weights = load_file(str(converted / "fp32.safetensors"))
         source = f"fp32 master weights of the universal copy ({ckpt.describe()} before conversion)"

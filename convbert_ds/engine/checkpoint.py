@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from convbert_ds.engine.distributed import on_rank0
+from convbert_ds.errors import first_line
 from convbert_ds.formats.checkpoint import directory as tags
 from convbert_ds.formats.checkpoint.rng import load_rng_file, rng_state, set_rng_state
 from convbert_ds.formats.safe_pickle import check_directory, deepspeed_loads_weights_only
@@ -56,10 +57,6 @@ def _failure_injection_point(step: int, tag_dir: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device (CONVBERT_DS_FAIL_SAVE_AT)", str(tag_dir))
 
 
-def _describe(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
-
-
 class _Writes:
     """One rank's writes during a save: the first error is kept and later writes are skipped.
 
@@ -81,7 +78,7 @@ class _Writes:
                 self.error = error
             except RuntimeError as error:  # torch.save's zip writer says a full disk as "unexpected pos N vs M"
                 target = kwargs.get("path", args[1] if len(args) > 1 else "a checkpoint file")
-                self.error = OSError(f"writing {target} failed: {_describe(error)}")
+                self.error = OSError(f"writing {target} failed: {first_line(error)}")
         return None
 
     def __enter__(self):
@@ -104,7 +101,7 @@ def _ranks_errors(error: BaseException | None, device) -> list[str]:
     if not flag.item():
         return []
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else _describe(error))
+    dist.all_gather_object(errors, None if error is None else first_line(error))
     return [f"rank {rank}: {text}" for rank, text in enumerate(errors) if text is not None]
 
 

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from convbert_ds.config import ConfigError, ModelConfig
-from convbert_ds.errors import UserError
+from convbert_ds.errors import UserError, first_line
 from convbert_ds.fsutil import write_dir_atomically
 from convbert_ds.model.tied import fill_tied, untie
 
@@ -57,9 +57,8 @@ def read_weights(directory) -> dict[str, torch.Tensor]:
                     return load_file(path)
                 return torch.load(path, map_location="cpu", weights_only=True)
             except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
-                why = str(error).splitlines()[0] if str(error) else type(error).__name__
-                raise WeightsError(f"{path}: unreadable ({why}); the file is damaged or of another format: "
-                                   "copy or convert the model again") from None
+                raise WeightsError(f"{path}: unreadable ({first_line(error)}); the file is damaged or of another "
+                                   "format: copy or convert the model again") from None
     raise WeightsError(f"no weights in {directory}: expected one of {WEIGHT_FILES}")
 
 

@@ -83,16 +83,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        if self.attention_head_size is not None:
-            return self.attention_head_size
-        return self.derived_head_dim
+        return self.derived_head_dim if self.attention_head_size is None else self.attention_head_size
 
     @property
     def derived_head_dim(self) -> int:
         """The head size transformers' ConvBERT computes from hidden_size and the heads."""
-        if self.conv_type == "none":
-            return self.hidden_size // self.num_attention_heads
-        return self.hidden_size // self.num_heads // 2
+        return self.hidden_size // (self.num_attention_heads if self.conv_type == "none" else self.num_heads * 2)
 
     @property
     def attention_width(self) -> int:
@@ -209,11 +205,6 @@ class ModelConfig:
         return cls(**values)
 
 
-def _round_heads(heads: float, head_ratio: int) -> int:
-    """Scale a head count down for the generator, keeping at least one head after the bottleneck."""
-    return max(head_ratio, int(round(heads / head_ratio)) * head_ratio)
-
-
 def generator_config(discriminator: ModelConfig, size_multiplier: float, heads: str = "transformers"
                      ) -> ModelConfig:
     """ELECTRA generator: same depth and embeddings, hidden/FFN/heads scaled by ``size_multiplier``.
@@ -229,13 +220,11 @@ def generator_config(discriminator: ModelConfig, size_multiplier: float, heads: 
     """
     if heads not in GENERATOR_HEADS:
         _fail("generator_config", "heads", heads, "unknown head layout", f"use one of {GENERATOR_HEADS}")
-    hidden = int(round(discriminator.hidden_size * size_multiplier))
+    hidden, ratio = int(round(discriminator.hidden_size * size_multiplier)), discriminator.head_ratio
+    # Heads scaled down, keeping at least one head after the bottleneck.
     scaled = discriminator.replace(
-        hidden_size=hidden,
-        num_attention_heads=_round_heads(discriminator.num_attention_heads * size_multiplier,
-                                         discriminator.head_ratio),
-        intermediate_size=int(round(discriminator.intermediate_size * size_multiplier)),
-    )
+        hidden_size=hidden, intermediate_size=int(round(discriminator.intermediate_size * size_multiplier)),
+        num_attention_heads=max(ratio, int(round(discriminator.num_attention_heads * size_multiplier / ratio)) * ratio))
     if heads == "transformers" or not scaled.has_conv:
         return scaled
     official_heads = max(1, int(discriminator.num_attention_heads * size_multiplier))
@@ -243,7 +232,6 @@ def generator_config(discriminator: ModelConfig, size_multiplier: float, heads: 
     if official_heads // discriminator.head_ratio < 1:  # no head left after the bottleneck: switch it off
         official = scaled.replace(num_attention_heads=1, head_ratio=1, attention_head_size=head_size)
     else:
-        ratio = discriminator.head_ratio
         official = scaled.replace(num_attention_heads=official_heads // ratio * ratio, attention_head_size=head_size)
     # Stated explicitly only where transformers' derivation would give another size (so it still exports).
     return official.replace(attention_head_size=None) if official.derived_head_dim == head_size else official
@@ -349,9 +337,8 @@ class ElectraConfig:
 
     def max_predictions(self, seq_len: int) -> int:
         """The most positions "fixed" masking takes from one sequence of ``seq_len`` tokens."""
-        if self.max_predictions_per_seq is not None:
-            return self.max_predictions_per_seq
-        return max(1, int((self.mask_prob + 0.005) * seq_len))
+        fixed = self.max_predictions_per_seq
+        return max(1, int((self.mask_prob + 0.005) * seq_len)) if fixed is None else fixed
 
     @classmethod
     def from_preset(cls, name: str, generator_multiplier: float | None = None, **model_overrides) -> "ElectraConfig":

@@ -15,13 +15,8 @@
 from convbert_ds.convert.from_hf import convert_from_hf
 from convbert_ds.convert.reader import open_checkpoint, read_state_dict
 from convbert_ds.convert.to_hf import RTD_HEAD_FILE, convert_checkpoint, export_model, write_hf
-from convbert_ds.formats.init_dir import (
-    ConvertError,
-    init_generator_config,
-    init_model_config,
-    load_init_weights,
-    read_init,
-)
+from convbert_ds.formats.init_dir import (ConvertError, init_generator_config, init_model_config, load_init_weights,
+                                          read_init)
 
 __all__ = [
     "RTD_HEAD_FILE", "ConvertError", "convert_checkpoint", "convert_from_hf", "export_model", "init_generator_config",

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import shlex
 import sys
 
 from convbert_ds.convert.from_hf import convert_from_hf
+from convbert_ds.convert.reader import quiet
 from convbert_ds.convert.to_hf import convert_checkpoint
 from convbert_ds.cli import ArgumentParser, exit_on_user_error
 from convbert_ds.formats.init_dir import ConvertError
@@ -48,7 +47,7 @@ def run(args, command: str) -> str:
                  f"{init['tokenizer']['kind']} vocab {init['tokenizer']['vocab_size']}"]
         return "\n".join(lines + [f"note: {n}" for n in init["notes"]])
     # DeepSpeed logs its accelerator choice to stdout on import; the converter's output stays its own.
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    with quiet():
         import deepspeed  # noqa: F401  # here, not at the top: only --checkpoint needs it, and quietly
     report = convert_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, verify=args.verify,
                                 force=args.force, tokenizer=args.tokenizer, command=command)

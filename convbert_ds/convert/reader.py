@@ -24,11 +24,11 @@ from safetensors.torch import load_file
 
 from convbert_ds.config import ConfigError, ElectraConfig
 from convbert_ds.formats.checkpoint import directory as tags
-from convbert_ds.formats.checkpoint.names import pipeline_layer_names
+from convbert_ds.formats.checkpoint.names import meta_model, pipeline_layer_names, pipeline_to_plain
 from convbert_ds.formats.checkpoint.universal import META, Layout
 from convbert_ds.formats.init_dir import ConvertError, match_weights
 from convbert_ds.formats.safe_pickle import check_directory, forced_weights_only, safe_load
-from convbert_ds.model import ElectraForPretraining, WeightsError
+from convbert_ds.model import WeightsError
 from convbert_ds.model.optim import param_groups
 from convbert_ds.model.tied import fill_tied
 
@@ -85,9 +85,7 @@ def open_checkpoint(checkpoint_dir, tag: str | None = None) -> Checkpoint:
 def _optim_file(directory: Path, dp_rank: int, mp_rank: int, precision: str) -> str:
     """DeepSpeed's name for one data-parallel rank's optimizer shard ("bf16_" in bf16 runs)."""
     name = f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
-    if precision == "bf16" and not (directory / name).is_file():
-        return "bf16_" + name
-    return name
+    return "bf16_" + name if precision == "bf16" and not (directory / name).is_file() else name
 
 
 def expected_files(ckpt: Checkpoint) -> list[str]:
@@ -116,7 +114,7 @@ def check_files(ckpt: Checkpoint) -> None:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """zero_to_fp32 prints progress to stdout and tqdm bars to stderr; keep both out of the CLI's output."""
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
@@ -129,22 +127,16 @@ def _zero_to_fp32(root: Path, tag: str) -> dict[str, torch.Tensor]:
     try:
         # The saved fp32 partitions require grad: consolidated with autograd on, every output would keep
         # the whole mmapped optimizer files alive through its graph (as much memory again as the model).
-        with _quiet(), torch.no_grad(), forced_weights_only(f"DeepSpeed's consolidation of {root / tag}"):
+        with quiet(), torch.no_grad(), forced_weights_only(f"DeepSpeed's consolidation of {root / tag}"):
             return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     except Exception as error:  # noqa: BLE001 - DeepSpeed's reader fails in many ways on a damaged checkpoint
         reason = " ".join(str(error).split())  # the CLI prints one line
         raise ConvertError(f"DeepSpeed could not consolidate {root / tag}: {type(error).__name__}: {reason}") from None
 
 
-def _load(path: Path) -> dict:
-    # Weights-only: DeepSpeed's few pickled classes are on safe_pickle's allow-list, nothing else runs.
-    return safe_load(path, map_location="cpu", mmap=True)
-
-
 def _zero0_masters(ckpt: Checkpoint, module: dict[str, torch.Tensor], optimizer: dict) -> dict[str, torch.Tensor]:
     """bf16/fp16 without ZeRO: the fp16 optimizer's fp32 copies, in the order the trainer grouped them."""
-    with torch.device("meta"):
-        model = ElectraForPretraining(ckpt.electra)
+    model = meta_model(ckpt.electra)
     names = {id(p): n for n, p in model.named_parameters()}
     groups = [[names[id(p)] for p in g["params"]] for g in param_groups(model, 0.0) if g["params"]]
     if "fp32_groups" in optimizer:
@@ -166,26 +158,20 @@ def _zero0_masters(ckpt: Checkpoint, module: dict[str, torch.Tensor], optimizer:
     return masters
 
 
-def _pipeline_masters(ckpt: Checkpoint, layer_names: dict[int, str]) -> dict[str, torch.Tensor]:
+def _pipeline_masters(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
     """Per stage, DeepSpeed's ZeRO-1 consolidation run on a view holding only that stage's files."""
-    shared = next(p for p in layer_names.values() if p.endswith("convbert.embeddings."))
-    masters = {}
+    plain, masters = pipeline_to_plain(ckpt.electra), {}
     for stage in range(ckpt.stages):
         with tempfile.TemporaryDirectory(prefix="convbert_ds-stage-") as view:
             tag_dir = Path(view) / ckpt.tag
             tag_dir.mkdir()
             # A stage's model-states file keeps its weights in the layer files ("module" is None).
-            states = _load(ckpt.directory / f"mp_rank_{stage:02d}_model_states.pt")
+            states = safe_load(ckpt.directory / f"mp_rank_{stage:02d}_model_states.pt", mmap=True)
             torch.save({**states, "module": states.get("module") or {}}, tag_dir / "mp_rank_00_model_states.pt")
             for rank in range(ckpt.world_size // ckpt.stages):
                 source = _optim_file(ckpt.directory, rank, stage, ckpt.precision)
                 os.symlink(ckpt.directory / source, tag_dir / source.replace(f"mp_rank_{stage:02d}", "mp_rank_00"))
-            for name, tensor in _zero_to_fp32(Path(view), ckpt.tag).items():
-                head, _, key = name.partition(".")
-                if head == "tied_modules":
-                    masters[shared + key.partition(".")[2]] = tensor
-                else:
-                    masters[layer_names[int(head)] + key] = tensor
+            masters.update({plain(name): tensor for name, tensor in _zero_to_fp32(Path(view), ckpt.tag).items()})
     return masters
 
 
@@ -198,7 +184,7 @@ def _pipeline_state(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     if ckpt.precision == "fp32" or ckpt.zero_stage == 0:
         how = "fp32" if ckpt.precision == "fp32" else f"{ckpt.precision}, upcast"
         return {k: v.float() for k, v in weights.items()}, f"pipeline layer files ({how})"
-    masters = _pipeline_masters(ckpt, layer_names)
+    masters = _pipeline_masters(ckpt)
     for name, tensor in weights.items():
         if name not in masters or not torch.equal(masters[name].to(tensor.dtype), tensor):
             raise ConvertError(f"{ckpt.directory}: the fp32 master copy of {name} is missing or does not round to "
@@ -221,7 +207,7 @@ def read_state_dict(ckpt: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
         weights = _zero_to_fp32(ckpt.root, ckpt.tag)
         source = f"fp32 master weights (ZeRO-{ckpt.zero_stage} shards, deepspeed.utils.zero_to_fp32)"
     else:
-        states = _load(ckpt.directory / "mp_rank_00_model_states.pt")
+        states = safe_load(ckpt.directory / "mp_rank_00_model_states.pt", mmap=True)
         module = states["module"]
         if ckpt.precision == "fp32":
             weights, source = {k: v.float() for k, v in module.items()}, "module weights (fp32)"
@@ -238,8 +224,7 @@ def complete_aliases(weights: dict[str, torch.Tensor], electra: ElectraConfig, w
     The generator shares the discriminator's embeddings and its LM head is the word-embedding table,
     so one tensor has several names; a checkpoint may hold any one of them.
     """
-    with torch.device("meta"):
-        model = ElectraForPretraining(electra)
+    model = meta_model(electra)
     try:  # unexpected names, wrong shapes
         match_weights(model, weights, where)
     except WeightsError as error:

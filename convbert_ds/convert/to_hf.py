@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from convbert_ds.config import ElectraConfig, ModelConfig
+from convbert_ds.config import ElectraConfig
 from convbert_ds.convert.model_card import PIPELINE_TAGS, RTD_HEAD_FILE, CardFacts, model_card
 from convbert_ds.convert.reader import open_checkpoint, read_state_dict
 from convbert_ds.convert.verify import verify_output
@@ -48,10 +48,6 @@ def split_for_hf(weights: dict[str, torch.Tensor], electra: ElectraConfig) -> di
         parts["discriminator"] = {k[len(_DISC):]: v for k, v in weights.items() if k.startswith(_DISC)}
         parts["rtd_head"] = {k[len("discriminator."):]: v for k, v in weights.items() if k.startswith(_RTD)}
     return parts
-
-
-def hf_config(config: ModelConfig, architecture: str, dtype: str, native_ok: bool = False) -> dict:
-    return {**config_json(config, architecture, native_ok), "dtype": str(DTYPES[dtype]).removeprefix("torch.")}
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, dtype: str) -> None:
@@ -107,8 +103,9 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
             target = tmp / name
             target.mkdir()
             save_tensors(parts[name], target / "model.safetensors", dtype)
-            (target / "config.json").write_text(json.dumps(hf_config(config, architecture, dtype, native_ok),
-                                                           indent=2, sort_keys=True) + "\n")
+            hf_config = {**config_json(config, architecture, native_ok),
+                         "dtype": str(DTYPES[dtype]).removeprefix("torch.")}
+            (target / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
             for path in tokenizer_files(tokenizer_dir):
                 shutil.copyfile(path, target / path.name)
         if electra.objective == "electra":

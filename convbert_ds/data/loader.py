@@ -32,10 +32,8 @@ TRAIN_SPLIT = "train"
 
 
 def parse_sets(sets) -> list[tuple[Path, float]]:
-    """``data.sets`` entries: ``{path, weight}`` mappings, objects with those attributes, ``(path, weight)``
-    pairs (this function's own output: parsing it again changes nothing), or bare paths."""
-    if isinstance(sets, (str, os.PathLike)):
-        sets = [sets]
+    """``data.sets`` entries: ``{path, weight}`` mappings, ``(path, weight)`` pairs (this function's own
+    output: parsing it again changes nothing), or bare paths."""
     if not sets:
         raise ConfigError("data.sets is empty; list at least one shard directory as {path: DIR, weight: 1.0}")
     parsed = []
@@ -48,8 +46,6 @@ def parse_sets(sets) -> list[tuple[Path, float]]:
             path, weight = entry["path"], entry.get("weight", 1.0)
         elif isinstance(entry, tuple) and len(entry) == 2:
             path, weight = entry
-        elif hasattr(entry, "path"):
-            path, weight = entry.path, getattr(entry, "weight", 1.0)
         else:
             raise ConfigError(f"data.sets[{i}]={entry!r}: expected a shard directory or {{path: SHARD_DIR, "
                               "weight: 1.0}")

@@ -146,15 +146,9 @@ class PackedDataset(MappedRecords, torch.utils.data.Dataset):
         """Sample ``i`` as ``[CLS] A [SEP] B [SEP]`` token ids and their token types (0 through the first
         ``[SEP]``, 1 for B and its ``[SEP]``), unpadded: ``len_a + len_b + 3`` of each."""
         a, b = self.tokens(i)
-        n_a, n_b = len(a), len(b)
-        input_ids = np.empty(n_a + n_b + 3, dtype=np.int64)
-        input_ids[0] = self.cls_id
-        input_ids[1:1 + n_a] = a
-        input_ids[1 + n_a] = self.sep_id
-        input_ids[2 + n_a:2 + n_a + n_b] = b
-        input_ids[2 + n_a + n_b] = self.sep_id
-        token_type_ids = np.zeros(n_a + n_b + 3, dtype=np.int64)
-        token_type_ids[2 + n_a:] = 1
+        input_ids = np.concatenate(([self.cls_id], a, [self.sep_id], b, [self.sep_id]), dtype=np.int64)
+        token_type_ids = np.zeros(len(input_ids), dtype=np.int64)
+        token_type_ids[2 + len(a):] = 1
         return input_ids, token_type_ids
 
     def real_token_fraction(self) -> float:

@@ -16,13 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from convbert_ds.config import ConfigError
-from convbert_ds.formats.shard_manifest import (
-    MANIFEST,
-    SHARD_FILES,
-    ShardManifestError,
-    check_shard_file,
-    read_manifest,
-)
+from convbert_ds.formats.shard_manifest import (MANIFEST, SHARD_FILES, ShardManifestError, check_shard_file,
+                                                read_manifest)
 from convbert_ds.fsutil import write_json_atomically
 
 
@@ -96,14 +91,6 @@ CACHE_SUBDIR = "index_cache"  # sample indexes (packing) and the checksum stamp,
 VERIFIED_STAMP = "verified.json"
 
 
-def _stamp_path(root: Path, cache_dir: str | os.PathLike | None) -> Path:
-    if cache_dir is None:
-        return root / CACHE_SUBDIR / VERIFIED_STAMP
-    # Several sets may share data.cache_dir, and their shard files have the same relative names.
-    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
-    return Path(cache_dir) / f"verified-{digest}.json"
-
-
 def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
                      trust_stamp: bool = True) -> int:
     """Compare every shard file of ``shard_dir`` with the sha256 its manifest lists; returns the bytes hashed.
@@ -117,7 +104,9 @@ def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike 
     always``) hashes every file anyway, for storage that may rot bits in place.
     """
     root = Path(shard_dir)
-    stamp_path = _stamp_path(root, cache_dir)
+    # Several sets may share data.cache_dir, and their shard files have the same relative names.
+    stamp_path = root / CACHE_SUBDIR / VERIFIED_STAMP if cache_dir is None else \
+        Path(cache_dir) / f"verified-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
     try:
         stamp = json.loads(stamp_path.read_text())
     except (OSError, ValueError):

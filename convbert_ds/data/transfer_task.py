@@ -202,15 +202,12 @@ def write_transfer_task(out_dir: str | os.PathLike, train_per_class: int = 500, 
         rng.shuffle(rows)
         write_text_atomically(out_dir / f"{split}.jsonl",
                               "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    return {
-        "source": "first paragraph of class/function docstrings of pinned packages, labelled by package",
-        "classes": {label: description for label, (description, _) in TASK_CLASSES.items()},
-        "versions": {dist: importlib.metadata.version(dist) for dist in _TASK_DISTRIBUTIONS},
-        "counts": {split: len(rows) for split, rows in splits.items()},
-        "per_class": {"train": train_per_class, "validation": dev_per_class},
-        "pool_sizes": {label: len(texts) for label, texts in pool.items()},
-        "seed": seed,
-    }
+    return {"source": "first paragraph of class/function docstrings of pinned packages, labelled by package",
+            "classes": {label: description for label, (description, _) in TASK_CLASSES.items()},
+            "versions": {dist: importlib.metadata.version(dist) for dist in _TASK_DISTRIBUTIONS},
+            "counts": {split: len(rows) for split, rows in splits.items()},
+            "per_class": {"train": train_per_class, "validation": dev_per_class},
+            "pool_sizes": {label: len(texts) for label, texts in pool.items()}, "seed": seed}
 
 
 # ---------------------------------------------------------------- the corpus
@@ -261,12 +258,6 @@ def _markup_paragraphs(text: str) -> list[str]:
             if not _HTML_TAG.search(p) and "{{" not in p and not p.startswith(("..", "|", "#", "[!", "="))]
 
 
-def _doc_text(path: Path) -> str:
-    """A documentation file's text; of a ``METADATA`` file, the long description (the README) after the headers."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    return text.partition("\n\n")[2] if path.name == "METADATA" else text
-
-
 def _doc_files(entry: Path) -> list[Path]:
     """The prose documentation one site-packages entry ships: its README or its .md/.rst files."""
     if entry.name.endswith(".dist-info"):
@@ -291,7 +282,9 @@ def _raw_documents(exclude: Collection[str]) -> Iterator[list[str]]:
                 yield _prose_paragraphs(docstring)
     for entry in entries:
         for path in _doc_files(entry):
-            yield _markup_paragraphs(_doc_text(path))
+            text = path.read_text(encoding="utf-8", errors="replace")
+            # Of a METADATA file, the long description (the README) after the headers.
+            yield _markup_paragraphs(text.partition("\n\n")[2] if path.name == "METADATA" else text)
 
 
 def iter_pretraining_documents(max_bytes: int | None = None,

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from convbert_ds.engine.distributed import on_rank0
 from convbert_ds.errors import first_line
 from convbert_ds.formats.checkpoint import directory as tags
 from convbert_ds.formats.checkpoint.rng import load_rng_file, rng_state, set_rng_state
@@ -35,11 +34,6 @@ from convbert_ds.formats.safe_pickle import check_directory, deepspeed_loads_wei
 from convbert_ds.fsutil import write_text_atomically
 
 EXIT_NOT_SAVED = 4  # the run's last save failed: not 3 (EXIT_PREEMPTED), a requeue would hit the same disk
-
-
-def agreed_resume_tag(directory: Path, verify_mode: str) -> str | None:
-    """Every rank: rank 0's ``choose_resume_tag`` (or its error)."""
-    return on_rank0(lambda: tags.choose_resume_tag(directory, verify_mode))
 
 
 def _fault_injection_point(step: int) -> None:

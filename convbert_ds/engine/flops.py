@@ -29,12 +29,10 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "A10G": 125.0, "L4":
 def body_forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
     hidden, width, heads, kernel = c.hidden_size, c.attention_width, c.num_heads, c.conv_kernel_size
     per_layer = 3 * 2 * hidden * width + 2 * 2 * seq_len * width
-    if c.conv_type == "sdconv":
+    if c.conv_type in ("sdconv", "conventional"):  # the separable conv (sdconv's span-aware key)
         per_layer += 2 * hidden * kernel + 2 * hidden * width
     if c.conv_type in ("sdconv", "dynamic"):
         per_layer += 2 * width * heads * kernel + 2 * hidden * width + 2 * kernel * width
-    if c.conv_type == "conventional":
-        per_layer += 2 * hidden * kernel + 2 * hidden * width
     per_layer += 2 * width * (2 if c.has_conv else 1) * hidden
     per_layer += 2 * 2 * hidden * c.intermediate_size / c.num_groups
     projection = 2 * c.embedding_size * hidden if c.embedding_size != hidden else 0
@@ -54,9 +52,4 @@ def training_flops_per_sample(config: ElectraConfig, seq_len: int) -> float:
 
 
 def device_peak_tflops(device_name: str, override: float | None) -> float | None:
-    if override:
-        return override
-    for key, value in PEAK_TFLOPS.items():
-        if key in device_name:
-            return value
-    return None
+    return override or next((value for key, value in PEAK_TFLOPS.items() if key in device_name), None)

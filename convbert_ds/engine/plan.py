@@ -16,14 +16,8 @@ from pathlib import Path
 
 import torch
 
-from convbert_ds.config import (
-    ConfigError,
-    ElectraConfig,
-    ModelConfig,
-    generator_config,
-    preset,
-    preset_generator_multiplier,
-)
+from convbert_ds.config import (ConfigError, ElectraConfig, ModelConfig, generator_config, preset,
+                                preset_generator_multiplier)
 from convbert_ds.data.loader import parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split, verify_checksums
 from convbert_ds.engine import distributed
@@ -85,24 +79,20 @@ class RunPlan:
         return Layout(self.world_size, self.zero_stage, self.cfg.pipeline.stages, self.precision)
 
 
-def resolve_ds_path(value: str) -> Path:
-    """DeepSpeed config paths are relative to the working directory, else to this repository."""
-    path = Path(value)
-    if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
-        path = REPO_ROOT / path
-    if not path.is_file():
-        raise ConfigError(f"deepspeed.config={value!r}: file not found; use one of ds_configs/*.json "
-                          "or an inline mapping")
-    return path
-
-
 def load_ds_config(cfg: TrainConfig) -> dict:
     """The DeepSpeed file's own part: ZeRO stage, offload, communication, bucket sizes, precision flag."""
     raw, where = cfg.deepspeed.config, "deepspeed.config"
     if isinstance(raw, str):
-        where = str(resolve_ds_path(raw))
+        # A relative path is relative to the working directory, else to this repository.
+        path = Path(raw)
+        if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
+            path = REPO_ROOT / path
+        if not path.is_file():
+            raise ConfigError(f"deepspeed.config={raw!r}: file not found; use one of ds_configs/*.json "
+                              "or an inline mapping")
+        where = str(path)
         try:
-            raw = json.loads(Path(where).read_text(encoding="utf-8"))
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ConfigError(f"{where}: not valid JSON ({error}); fix the file or use one of ds_configs/*.json")
     if not isinstance(raw, dict):
@@ -118,12 +108,8 @@ def load_ds_config(cfg: TrainConfig) -> dict:
 
 
 def precision_of(cfg: TrainConfig, ds_config: dict) -> str:
-    if cfg.train.precision is not None:
-        return cfg.train.precision
-    for name in ("bf16", "fp16"):
-        if ds_config.get(name, {}).get("enabled"):
-            return name
-    return "fp32"
+    return cfg.train.precision if cfg.train.precision is not None else \
+        next((name for name in ("bf16", "fp16") if ds_config.get(name, {}).get("enabled")), "fp32")
 
 
 def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_accum: int, precision: str) -> dict:

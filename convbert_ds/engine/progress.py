@@ -22,10 +22,6 @@ def clock(seconds: float) -> str:
     return (f"{days}d {hours:02d}:" if days else f"{hours}:") + f"{minutes:02d}:{secs:02d}"
 
 
-def now_stamp() -> str:
-    return datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-
-
 class RunProgress:
     def __init__(self, start_step: int, total_steps: int):
         self.start_step, self.total_steps = start_step, total_steps
@@ -43,7 +39,7 @@ class RunProgress:
 
     def prefix(self) -> str:
         """What every log line starts with: the wall clock."""
-        return f"[{now_stamp()}]"
+        return f"[{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
 
     def suffix(self, step: int) -> str:
         """What a step or eval line ends with: elapsed time of this process and the ETA to the last step."""

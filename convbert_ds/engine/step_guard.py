@@ -58,12 +58,9 @@ class StepGuard:
         self.max_in_a_row, self.skips_nonfinite = max_in_a_row, skips_nonfinite
         # gloo for host tensors: the backend of the default group may be NCCL, which reduces device tensors.
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        self._reset_counts()
-        self._step_bad = torch.zeros((), dtype=torch.int32, device=device)
-
-    def _reset_counts(self) -> None:
-        zero = torch.zeros((), dtype=torch.int32, device=self.device)
+        zero = torch.zeros((), dtype=torch.int32, device=device)
         self._bad_total, self._in_a_row, self._worst = zero.clone(), zero.clone(), zero.clone()
+        self._step_bad = torch.zeros((), dtype=torch.int32, device=device)
 
     @property
     def drops_nonfinite(self) -> bool:
@@ -99,6 +96,5 @@ class StepGuard:
 
     def must_stop(self, verdict: Verdict) -> bool:
         """True when the losses say the run cannot go on (see the module docstring)."""
-        if self.drops_nonfinite or self.skips_nonfinite:
-            return verdict.worst_in_a_row >= self.max_in_a_row
-        return verdict.nonfinite > 0
+        return verdict.worst_in_a_row >= self.max_in_a_row if self.drops_nonfinite or self.skips_nonfinite \
+            else verdict.nonfinite > 0

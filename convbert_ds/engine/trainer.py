@@ -18,20 +18,14 @@ from convbert_ds.data.loader import build_dataloader
 from convbert_ds.engine import checkpoint, distributed
 from convbert_ds.engine.downstream_probe import DownstreamProbes
 from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
-from convbert_ds.engine.pipeline import (
-    build_pipeline_module,
-    load_plain_state_dict,
-    pipeline_batch,
-    pipeline_metrics,
-)
+from convbert_ds.engine.pipeline import build_pipeline_module, load_plain_state_dict, pipeline_batch, pipeline_metrics
 from convbert_ds.engine.metrics_log import MetricsLog
 from convbert_ds.engine.plan import RunPlan
 from convbert_ds.engine.profiling import StepProfiler
 from convbert_ds.engine.progress import RunProgress
 from convbert_ds.engine.step_guard import StepGuard, Verdict
 from convbert_ds.engine.universal import load_into
-from convbert_ds.formats.checkpoint import directory as tags
-from convbert_ds.formats.checkpoint import universal
+from convbert_ds.formats.checkpoint import directory as tags, universal
 from convbert_ds.formats.init_dir import load_init_weights
 from convbert_ds.formats.train_config import DownstreamSection
 from convbert_ds.model import ElectraForPretraining
@@ -55,10 +49,10 @@ Preemption = StepGuard
 
 def format_line(step: int, steps: int, m: dict) -> str:
     parts = [f"step {step}/{steps}"]
-    for key, label, fmt in (("loss", "loss", ".4f"), ("mlm_loss", "gen", ".4f"), ("rtd_loss", "disc", ".4f"), ("mlm_accuracy", "mlm_acc", ".3f"),
-                            ("rtd_accuracy", "rtd_acc", ".3f"), ("lr", "lr", ".2e"), ("grad_norm", "gnorm", ".3f"),
-                            ("samples_per_s", "samples/s", ".1f"), ("tokens_per_s", "tok/s", ".0f"),
-                            ("tflops", "TFLOP/s", ".2f"), ("mfu", "MFU", ".1%")):
+    for key, label, fmt in (("loss", "loss", ".4f"), ("mlm_loss", "gen", ".4f"), ("rtd_loss", "disc", ".4f"),
+                            ("mlm_accuracy", "mlm_acc", ".3f"), ("rtd_accuracy", "rtd_acc", ".3f"), ("lr", "lr", ".2e"),
+                            ("grad_norm", "gnorm", ".3f"), ("samples_per_s", "samples/s", ".1f"),
+                            ("tokens_per_s", "tok/s", ".0f"), ("tflops", "TFLOP/s", ".2f"), ("mfu", "MFU", ".1%")):
         if m.get(key) is not None:
             parts.append(f"{label} {m[key]:{fmt}}")
     return " | ".join(parts)
@@ -83,7 +77,8 @@ class Trainer:
 
     def _build_model(self):
         model = self._build_uncompiled_model()
-        self.cuda_graphs = self.cfg.train.compile and self.cfg.train.compile_mode == "step" and torch.cuda.is_available()
+        self.cuda_graphs = (self.cfg.train.compile and self.cfg.train.compile_mode == "step"
+                            and torch.cuda.is_available())
         if self.cfg.train.compile and torch.cuda.is_available():
             # sdconv_impl=auto decides per layout by running the kernels once: eagerly, before tracing.
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
@@ -157,7 +152,7 @@ class Trainer:
             if removed:
                 print(f"removed incomplete checkpoint(s) {removed} (an interrupted save)", flush=True)
         dist.barrier()
-        tag = checkpoint.agreed_resume_tag(self.ckpt_dir, self.cfg.checkpoint.verify)
+        tag = distributed.on_rank0(lambda: tags.choose_resume_tag(self.ckpt_dir, self.cfg.checkpoint.verify))
         if tag is None:
             if self.plan.continue_from is not None:
                 self._start_phase(self.plan.continue_from)

@@ -71,9 +71,7 @@ def build_optimizer(model: ConvBertForSequenceClassification, recipe: Recipe) ->
 
 
 def _autocast(recipe: Recipe, device: torch.device):
-    if recipe.precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16) if recipe.precision == "bf16" else contextlib.nullcontext()
 
 
 @torch.no_grad()

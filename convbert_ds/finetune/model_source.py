@@ -28,11 +28,6 @@ class ModelSource:
     description: str  # for results.json: what was given and what it resolved to
 
 
-def _is_checkpoint(path: Path) -> bool:
-    """The trainer's checkpoint.dir (it has a complete tag) or one tag directory in it."""
-    return (path / TRAINER_STATE).is_file() or latest_complete(path) is not None
-
-
 def resolve_model(path, work_dir: Path, convert: bool = True) -> ModelSource:
     """``path`` as a ModelSource; a checkpoint is converted into ``work_dir/converted/TAG`` once
     (``convert=False``: only find that directory, for ranks other than the one that converts)."""
@@ -41,7 +36,8 @@ def resolve_model(path, work_dir: Path, convert: bool = True) -> ModelSource:
         raise FinetuneError(f"--model {path}: no such directory; pass a ConvBERT directory (config.json + "
                             "model.safetensors) or a convbert_ds.train checkpoint directory")
     description = str(path)
-    if not (path / "config.json").is_file() and _is_checkpoint(path):
+    # A checkpoint: one tag directory, or the trainer's checkpoint.dir (it has a complete tag).
+    if not (path / "config.json").is_file() and ((path / TRAINER_STATE).is_file() or latest_complete(path) is not None):
         try:
             ckpt = open_checkpoint(path)
             converted = work_dir / "converted" / ckpt.tag

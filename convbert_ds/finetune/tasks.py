@@ -96,12 +96,8 @@ def read_glue(task: str, data_dir) -> TaskData:
     files = {split: _glue_file(root, split, spec) for split in ("train", *spec.evals)}
     parsed = {split: _read_glue_file(path, spec) for split, path in files.items()}
     return TaskData(
-        name=name,
-        task_type="classification" if spec.labels else "regression",
-        label_names=list(spec.labels),
-        train=parsed["train"][0],
-        evals={split: parsed[split][0] for split in spec.evals},
-        metric=spec.metric,
+        name=name, task_type="classification" if spec.labels else "regression", label_names=list(spec.labels),
+        train=parsed["train"][0], evals={split: parsed[split][0] for split in spec.evals}, metric=spec.metric,
         source={"kind": "glue", "task": name, "data_dir": str(root.resolve()),
                 "files": {split: str(path.resolve()) for split, path in files.items()},
                 "columns": {"text": spec.text, "text_pair": spec.text_pair, "label": spec.label},
@@ -227,10 +223,7 @@ def read_custom(train, validation, text_column: str, label_column: str, text_pai
         label_names = sorted(set(train_targets))
         _check_seen(eval_split, label_column, eval_targets, set(label_names))
     return TaskData(
-        name="custom",
-        task_type=task_type,
-        label_names=label_names,
-        train=train_split.examples(train_targets),
+        name="custom", task_type=task_type, label_names=label_names, train=train_split.examples(train_targets),
         evals={"validation": eval_split.examples(eval_targets)},
         metric="pearson" if task_type == "regression" else "accuracy",
         source={"kind": "custom",
@@ -358,9 +351,7 @@ def _number(value) -> float | None:
             value = float(value.strip())
         except ValueError:
             return None
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def _infer_task_type(labels: list) -> str:

@@ -112,14 +112,6 @@ def _unsafe_error(path, what: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(f"{path}: {what}; it was not loaded and none of its code ran: {_TRUST_HINT}")
 
 
-def damaged_error(path, error: BaseException) -> DamagedCheckpointFileError:
-    """The one-line error for a file that is not a whole ``torch.save`` file."""
-    reason = _one_line(str(error)).split(" This is an internal miniz error")[0] or "unexpected end of file"
-    return DamagedCheckpointFileError(
-        f"{path}: not a whole torch.save file ({type(error).__name__}: {reason[:200]}); it is truncated or "
-        "corrupt: copy it again from its source, or resume from another checkpoint")
-
-
 def classify(path, error: BaseException) -> UserError:
     """The one-line error for ``torch.load(path, weights_only=True)`` failing with ``error``.
 
@@ -145,7 +137,10 @@ def classify(path, error: BaseException) -> UserError:
             return _unsafe_error(path, f"holds an object weights-only loading refuses to build ({reason[:200]})")
     if isinstance(error, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
         return UserError(f"{path}: {error.strerror or error}")  # about the path, not the bytes
-    return damaged_error(path, error)
+    reason = _one_line(str(error)).split(" This is an internal miniz error")[0] or "unexpected end of file"
+    return DamagedCheckpointFileError(
+        f"{path}: not a whole torch.save file ({type(error).__name__}: {reason[:200]}); it is truncated or "
+        "corrupt: copy it again from its source, or resume from another checkpoint")
 
 
 @contextlib.contextmanager
@@ -174,11 +169,6 @@ def safe_load(path, **torch_load_kwargs):
         return torch.load(path, weights_only=True, **torch_load_kwargs)
 
 
-def _is_zip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
-
-
 def check_directory(path) -> list[Path]:
     """Prove that no ``*.pt`` under ``path`` (a checkpoint tag directory) needs a global outside the list.
 
@@ -193,8 +183,8 @@ def check_directory(path) -> list[Path]:
         raise UserError(f"{directory}: not a checkpoint directory (it does not exist or is a file)")
     files = sorted(p for p in directory.rglob("*.pt") if p.is_file())
     for file in files:
-        with _translated_errors(file):
-            mmap = _is_zip(file)
+        with _translated_errors(file), open(file, "rb") as f:
+            mmap = f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
         safe_load(file, map_location="cpu", mmap=mmap)
     return files
 

@@ -1,12 +1,7 @@
 """ConvBERT models (transformers-compatible names) and ELECTRA pretraining."""
 
-from convbert_ds.model.convbert import (
-    ConvBertForMaskedLM,
-    ConvBertForPreTraining,
-    ConvBertForSequenceClassification,
-    ConvBertModel,
-    InputError,
-)
+from convbert_ds.model.convbert import (ConvBertForMaskedLM, ConvBertForPreTraining, ConvBertForSequenceClassification,
+                                        ConvBertModel, InputError)
 from convbert_ds.model.electra import ElectraForPretraining, PretrainingOutput, mask_tokens
 from convbert_ds.model.hf_io import WeightsError
 from convbert_ds.model.sdconv import dynamic_conv, dynamic_conv_reference

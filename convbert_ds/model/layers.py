@@ -18,13 +18,8 @@ from torch import nn
 from convbert_ds.config import ModelConfig
 from convbert_ds.model.sdconv import dynamic_conv, same_segment_taps
 
-ACTIVATIONS = {  # config.hidden_act -> function
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "tanh": torch.tanh,
-}
+ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # config.hidden_act -> function
+               "relu": F.relu, "silu": F.silu, "tanh": torch.tanh}
 
 
 class PaddingMasks(NamedTuple):
@@ -77,10 +72,8 @@ class ConvBertEmbeddings(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
-        if token_type_ids is None:
-            embeddings = embeddings + self.token_type_embeddings.weight[0]
-        else:
-            embeddings = embeddings + self.token_type_embeddings(token_type_ids)
+        embeddings = embeddings + (self.token_type_embeddings.weight[0] if token_type_ids is None
+                                   else self.token_type_embeddings(token_type_ids))
         return self.dropout(self.LayerNorm(embeddings))
 
 
@@ -154,12 +147,9 @@ class ConvBertSelfAttention(nn.Module):
         masks = padding_masks(attention_mask)
         sdpa_mask = None if masks is None else masks.attention
         context = F.scaled_dot_product_attention(
-            self._heads(query).transpose(1, 2),
-            self._heads(self.key(hidden_states)).transpose(1, 2),
-            self._heads(self.value(hidden_states)).transpose(1, 2),
-            attn_mask=sdpa_mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-        ).transpose(1, 2).reshape(batch, seq_len, -1)
+            self._heads(query).transpose(1, 2), self._heads(self.key(hidden_states)).transpose(1, 2),
+            self._heads(self.value(hidden_states)).transpose(1, 2), attn_mask=sdpa_mask,
+            dropout_p=self.dropout_p if self.training else 0.0).transpose(1, 2).reshape(batch, seq_len, -1)
         conv_type = self.config.conv_type
         if conv_type == "none":
             return context

@@ -146,9 +146,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     """Turn ``"auto"`` into the implementation it prefers on ``device`` (before any probing)."""
     if impl not in SDCONV_IMPLS:
         raise ValueError(f"sdconv_impl={impl!r} is not one of {SDCONV_IMPLS}")
-    if impl == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return impl
+    return ("triton" if device.type == "cuda" else "torch") if impl == "auto" else impl
 
 
 # (device, logits dtype, values dtype, K, head size) -> why the Triton kernels cannot be used, or None.

@@ -34,14 +34,8 @@ layer. The data iterator's labels are empty: nothing the loss needs comes from t
 """
 
 from convbert_ds.engine.pipeline.layers import draw_stream_seed
-from convbert_ds.engine.pipeline.module import (
-    METRIC_NAMES,
-    build_pipeline_module,
-    check_pipeline_ds_config,
-    load_plain_state_dict,
-    pipeline_batch,
-    pipeline_metrics,
-)
+from convbert_ds.engine.pipeline.module import (METRIC_NAMES, build_pipeline_module, check_pipeline_ds_config,
+                                                load_plain_state_dict, pipeline_batch, pipeline_metrics)
 
 __all__ = [
     "METRIC_NAMES", "build_pipeline_module", "check_pipeline_ds_config", "draw_stream_seed",

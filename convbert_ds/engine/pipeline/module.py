@@ -13,31 +13,15 @@ from torch import nn
 
 from convbert_ds.config import ConfigError, ElectraConfig
 from convbert_ds.formats.checkpoint.names import SHARED_EMBEDDINGS_LAYER, pipeline_layer_names, pipeline_layer_prefixes
-from convbert_ds.model.electra import METRIC_NAMES as ELECTRA_METRIC_NAMES
-from convbert_ds.model.electra import PretrainingOutput, electra_output
-from convbert_ds.engine.pipeline.layers import (
-    MAX_INT_FIELDS,
-    DiscriminatorHidden,
-    EmbeddingProjection,
-    EncoderLayer,
-    GeneratorHead,
-    GeneratorHidden,
-    MaskedLMOutput,
-    MaskingLayer,
-    RTDHead,
-    SharedEmbeddings,
-    from_pipe,
-    generator_output_forward,
-    row_float,
-)
+from convbert_ds.model.electra import METRIC_NAMES as ELECTRA_METRIC_NAMES, PretrainingOutput, electra_output
+from convbert_ds.engine.pipeline.layers import (MAX_INT_FIELDS, DiscriminatorHidden, EmbeddingProjection, EncoderLayer,
+                                                GeneratorHead, GeneratorHidden, MaskedLMOutput, MaskingLayer, RTDHead,
+                                                SharedEmbeddings, from_pipe, generator_output_forward, row_float)
 
 EMBEDDINGS_KEY = "embeddings"
 _EMBEDDING_PARAMS = ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
                      "LayerNorm.weight", "LayerNorm.bias")
-METRIC_NAMES = {
-    "electra": ELECTRA_METRIC_NAMES,
-    "mlm": ("loss", "mlm_loss", "mlm_accuracy"),
-}
+METRIC_NAMES = {"electra": ELECTRA_METRIC_NAMES, "mlm": ("loss", "mlm_loss", "mlm_accuracy")}
 
 
 def _layer_plan(config: ElectraConfig, seed: int | None = None, packed: bool = False) -> list[LayerSpec]:

@@ -39,7 +39,6 @@ as they find it on disk.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -48,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from convbert_ds.errors import UserError
+from convbert_ds.formats.shard_manifest import file_sha256
 from convbert_ds.fsutil import write_text_atomically
 
 COMPLETE = "COMPLETE"
@@ -107,14 +107,9 @@ def remove_incomplete(directory: Path) -> list[str]:
 # The manifest (COMPLETE) -------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _hash_all(root: Path, names: list[str]) -> dict[str, str]:
     with ThreadPoolExecutor(max_workers=max(1, min(HASH_THREADS, len(names)))) as pool:
-        return dict(zip(names, pool.map(lambda name: _sha256(root / name), names)))
+        return dict(zip(names, pool.map(lambda name: file_sha256(root / name), names)))
 
 
 def build_manifest(tag_dir: Path, world_size: int) -> dict:

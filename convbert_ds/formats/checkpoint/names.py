@@ -48,9 +48,7 @@ def pipeline_to_plain(config: ElectraConfig) -> Callable[[str], str]:
 
     def plain(name: str) -> str:
         head, _, rest = name.partition(".")
-        if head == "tied_modules":
-            return shared + rest.partition(".")[2]
-        return layers[int(head)] + rest
+        return shared + rest.partition(".")[2] if head == "tied_modules" else layers[int(head)] + rest
 
     return plain
 

@@ -48,6 +48,3 @@ def set_rng_state(state: dict) -> None:
 def load_rng_file(path: Path) -> dict:
     """This rank's RNG states, read weights-only (older files pickle numpy arrays: on the allow-list)."""
     return safe_load(path)
-
-
-# Saving -------------------------------------------------------------------------------------------

@@ -47,9 +47,10 @@ from pathlib import Path
 import torch
 from pretraining_transfer import PROTOCOLS, finetune, pretrain  # the script's own folder is on sys.path
 
-from convbert_ds.config import ElectraConfig
-from convbert_ds.formats.checkpoint.directory import complete_tags, read_trainer_state
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.config import PRESET_NAMES, ElectraConfig
 from convbert_ds.engine.flops import training_flops_per_sample
+from convbert_ds.formats.checkpoint.directory import complete_tags, read_trainer_state
 from convbert_ds.quickstart import prepare_data
 
 STEPS = 600  # the default budget, measured: see the module docstring
@@ -196,25 +197,25 @@ def ordering(results: dict[str, dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, default=Path("runs/ablation"))
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--shards", type=Path, help="your own shard dir instead of the built-in corpus")
     parser.add_argument("--task-dir", type=Path, help="your own task (train.jsonl, validation.jsonl: text, label)")
     # pretraining, every variant alike (defaults: the quickstart's recipe, the step count measured for 2 cores)
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--ranks", type=int, default=None, help="pretraining processes (default: GPUs, or 2 CPU ranks)")
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
+    parser.add_argument("--steps", type=bounded(int, min=1), default=STEPS)
+    parser.add_argument("--batch", type=bounded(int, min=1), default=64)
+    parser.add_argument("--seq-len", type=bounded(int, min=8), default=64)
+    parser.add_argument("--lr", type=bounded(float, above=0), default=1e-3)
+    parser.add_argument("--ranks", type=bounded(int, min=1), default=None, help="pretraining processes (default: GPUs, or 2 CPU ranks)")
     parser.add_argument("--train-override", action="append", default=[], help="extra trainer key=value (repeatable)")
     # fine-tuning, both inits alike
     parser.add_argument("--protocol", choices=tuple(PROTOCOLS), default="short")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--finetune-lr", type=float, default=1e-3)
+    parser.add_argument("--seeds", type=bounded(int, min=1), default=3)
+    parser.add_argument("--finetune-lr", type=bounded(float, above=0), default=1e-3)
     parser.add_argument("--finetune-arg", action="append", default=[], help="extra finetune option (repeatable)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads for fine-tuning")
+    parser.add_argument("--threads", type=bounded(int, min=1), default=None, help="torch threads for fine-tuning")
     args = parser.parse_args(argv)
     slugs = args.variants.split(",")
     if unknown := [slug for slug in slugs if slug not in VARIANTS]:
@@ -248,4 +249,4 @@ def write_reports(args, work: Path, results: dict[str, dict]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+
 REPO = Path(__file__).resolve().parent.parent
 BASELINE, OURS, VERIFY = "zero_to_fp32 (baseline)", "convbert_ds.convert", "convbert_ds.convert --verify"
 VOCAB = 30522
@@ -117,16 +119,16 @@ def measure(mode: str, checkpoint_dir: Path, out: Path) -> dict:
     return {"wall_s": wall, **result, "load": os.getloadavg()[0]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from convbert_ds.engine.distributed import free_port
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=bounded(int, min=1), default=3)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--verify", action="store_true", help="also time a conversion with --verify")
     parser.add_argument("--run-one", nargs=3, metavar=("MODE", "CKPT", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--write-rank", nargs=2, metavar=("CKPT", "TOKENIZER"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.run_one:
         print(json.dumps(run_one(args.run_one[0], Path(args.run_one[1]), Path(args.run_one[2]))))
         return
@@ -191,4 +193,4 @@ def _checkpoint_params(ckpt: Path) -> tuple[int, int]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

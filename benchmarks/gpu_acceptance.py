@@ -24,7 +24,6 @@ Exit code: 0 when every part that ran passed, 1 otherwise (the figures are writt
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -37,6 +36,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -279,10 +280,10 @@ def write_results(path: Path, section: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-smoke", metavar="OUT.md", type=Path,
                         help="run every part at toy sizes on CPU and write the section to OUT.md (not RESULTS.md)")
-    parser.add_argument("--budget", type=float, default=540, help="seconds for all parts together (default 540)")
+    parser.add_argument("--budget", type=bounded(float, above=0), default=540, help="seconds for all parts together (default 540)")
     args = parser.parse_args(argv)
     import torch
     on_gpu = torch.cuda.is_available()
@@ -313,4 +314,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_on_user_error(main))

@@ -15,15 +15,17 @@ neither side is judged at a rate that suits only the other.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoTokenizer, ConvBertConfig, ConvBertForSequenceClassification, get_linear_schedule_with_warmup
+
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
 
 def read_split(path: Path) -> tuple[list[str], list[str]]:
@@ -70,15 +72,15 @@ def finetune_once(model_dir: Path, random_init: bool, train: dict, dev: dict, nu
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="a HuggingFace ConvBERT directory with tokenizer")
     parser.add_argument("--task-dir", type=Path, required=True, help="train.jsonl and validation.jsonl (text, label)")
     parser.add_argument("--learning-rates", default="3e-4,1e-3")
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-length", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seeds", type=bounded(int, min=1), default=3)
+    parser.add_argument("--epochs", type=bounded(int, min=1), default=4)
+    parser.add_argument("--batch-size", type=bounded(int, min=1), default=32)
+    parser.add_argument("--max-length", type=bounded(int, min=1), default=32)
+    parser.add_argument("--threads", type=bounded(int, min=1), default=None)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,4 +111,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

@@ -13,14 +13,15 @@ time (first call) is printed, not counted in the medians.
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
 
 import torch
 import transformers
 
-from convbert_ds.config import preset
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.config import PRESET_NAMES, preset
 from convbert_ds.model import ConvBertModel
 from convbert_ds.model.layers import compile_layers
 
@@ -39,16 +40,16 @@ def saved_tensor_bytes(step) -> int:
     return sum(storages.values())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None,
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="small")
+    parser.add_argument("--batch", type=bounded(int, min=1), default=16)
+    parser.add_argument("--seq", type=bounded(int, min=1), default=128)
+    parser.add_argument("--runs", type=bounded(int, min=1), default=7)
+    parser.add_argument("--threads", type=bounded(int, min=1), default=None,
                         help="torch threads (1 gives stable figures on a shared machine)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled model (no compiler needed)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -109,4 +110,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

@@ -14,7 +14,6 @@ packed / padded (real tokens per second; above 1: packing wins).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/packing.py` finds train_step
 
 from benchmarks.train_step import build_shards, electra_config  # noqa: E402
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.config import PRESET_NAMES
 
 
 def time_rows(model, loaders: dict, steps: int, warmup: int = 2) -> dict[str, tuple[float, float]]:
@@ -51,13 +52,13 @@ def time_rows(model, loaders: dict, steps: int, warmup: int = 2) -> dict[str, tu
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="tiny", help="model preset (default tiny)")
-    parser.add_argument("--batch", type=int, default=8, help="samples per step (default 8)")
-    parser.add_argument("--seq", type=int, nargs="+", default=[128, 512], help="sequence lengths (default 128 512)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per row, after 2 of warm-up")
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny", help="model preset (default tiny)")
+    parser.add_argument("--batch", type=bounded(int, min=1), default=8, help="samples per step (default 8)")
+    parser.add_argument("--seq", type=bounded(int, min=8), nargs="+", default=[128, 512], help="sequence lengths (default 128 512)")
+    parser.add_argument("--steps", type=bounded(int, min=1), default=10, help="timed steps per row, after 2 of warm-up")
     parser.add_argument("--shards", type=Path, default=None, help="a shard directory (default: built-in corpus)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--threads", type=bounded(int, min=1), default=None, help="torch threads")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,4 +89,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

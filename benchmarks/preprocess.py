@@ -37,6 +37,8 @@ from pathlib import Path
 
 import psutil
 
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+
 BLOCK = 1 << 20
 BARE, BASELINE = "bare sp.encode (ceiling)", "datasets.map + IndexedDatasetBuilder"
 ONE, TWO, QUARTER = "preprocessing.shard, 1 worker", "preprocessing.shard, 2 workers", "preprocessing.shard, 1 worker, 1/4"
@@ -170,14 +172,14 @@ def _split_into_files(corpus: Path, out: Path) -> None:
     partial.rename(out)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mb", type=int, default=60, help="corpus size in MB (at least 50 for the record)")
-    parser.add_argument("--repeats", type=int, default=3)
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=bounded(int, min=1), default=60, help="corpus size in MB (at least 50 for the record)")
+    parser.add_argument("--repeats", type=bounded(int, min=1), default=3)
     parser.add_argument("--workdir", default=None, help="where corpora and outputs go (default: a temp dir)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the datasets.map baseline (the slowest)")
     parser.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.measure:
         kind, corpus, tokenizer, *rest = args.measure
         if kind == "bare":
@@ -259,4 +261,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

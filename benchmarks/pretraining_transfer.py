@@ -20,7 +20,6 @@ Protocols (fine-tuning recipe otherwise the paper's, at ``--finetune-lr``; max l
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.config import PRESET_NAMES
 from convbert_ds.engine.distributed import free_port
 from convbert_ds.quickstart import prepare_data
 
@@ -100,28 +101,28 @@ def finetune(model: Path, task: Path, out: Path, protocol: str, seeds: int, rand
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, default=Path("runs/transfer"))
     parser.add_argument("--label", default=None, help="name of this configuration (default: from the options)")
     parser.add_argument("--shards", type=Path, help="your own shard dir instead of the built-in corpus")
     parser.add_argument("--task-dir", type=Path, help="your own task (train.jsonl, validation.jsonl: text, label)")
-    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--vocab-size", type=bounded(int, min=1), default=8000)
     parser.add_argument("--objective", choices=("electra", "mlm"), default="electra")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--generator-multiplier", type=float, default=None)
-    parser.add_argument("--rtd-weight", type=float, default=50.0)
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--warmup-fraction", type=float, default=0.1)
-    parser.add_argument("--curve", type=int, default=3, help="checkpoints along the run to fine-tune")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
+    parser.add_argument("--generator-multiplier", type=bounded(float, above=0), default=None)
+    parser.add_argument("--rtd-weight", type=bounded(float, min=0), default=50.0)
+    parser.add_argument("--steps", type=bounded(int, min=1), default=3000)
+    parser.add_argument("--batch", type=bounded(int, min=1), default=32)
+    parser.add_argument("--seq-len", type=bounded(int, min=8), default=128)
+    parser.add_argument("--lr", type=bounded(float, above=0), default=5e-4)
+    parser.add_argument("--warmup-fraction", type=bounded(float, min=0, below=1), default=0.1)
+    parser.add_argument("--curve", type=bounded(int, min=1), default=3, help="checkpoints along the run to fine-tune")
+    parser.add_argument("--seeds", type=bounded(int, min=1), default=3)
     parser.add_argument("--protocols", default="short,converged,low")
-    parser.add_argument("--ranks", type=int, default=None, help="pretraining processes (default: GPUs, or 2 CPU ranks)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads for fine-tuning")
+    parser.add_argument("--ranks", type=bounded(int, min=1), default=None, help="pretraining processes (default: GPUs, or 2 CPU ranks)")
+    parser.add_argument("--threads", type=bounded(int, min=1), default=None, help="torch threads for fine-tuning")
     # The paper's 3e-4 leaves the tiny preset near chance after 4 epochs (benchmarks/RESULTS.md).
-    parser.add_argument("--finetune-lr", type=float, default=1e-3, help="fine-tuning learning rate, both inits")
+    parser.add_argument("--finetune-lr", type=bounded(float, above=0), default=1e-3, help="fine-tuning learning rate, both inits")
     parser.add_argument("--finetune-arg", action="append", default=[], help="extra finetune option (repeatable)")
     parser.add_argument("--train-override", action="append", default=[], help="extra trainer key=value (repeatable)")
     args = parser.parse_args(argv)
@@ -158,4 +159,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

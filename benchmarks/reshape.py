@@ -235,12 +235,12 @@ def _row(mode: str, r: dict, size: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from convbert_ds.config import PRESET_NAMES
-    from convbert_ds.cli import ArgumentParser, exit_on_user_error
+    from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="base", choices=PRESET_NAMES,
                         help="the discriminator preset (tiny: a smoke run)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of each converter (best and all reported)")
+    parser.add_argument("--repeats", type=bounded(int, min=1), default=2, help="rounds of each converter (best and all reported)")
     parser.add_argument("--workdir", default=None, help="where the checkpoint goes (default: a temporary "
                         "directory, deleted at the end); an existing checkpoint there is reused")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")

@@ -13,14 +13,15 @@ the Triton figures need CUDA.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.model.sdconv import dynamic_conv, dynamic_conv_reference
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -223,15 +224,15 @@ def run_cpu(args) -> None:
 
 def main(argv=None) -> None:
     on_cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[32, 64, 128, 256] if on_cuda else [8])
-    parser.add_argument("--seq", type=int, nargs="+", default=[128, 512] if on_cuda else [128])
-    parser.add_argument("--heads", type=int, default=6)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--kernel", type=int, default=9)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=bounded(int, min=1), nargs="+", default=[32, 64, 128, 256] if on_cuda else [8])
+    parser.add_argument("--seq", type=bounded(int, min=1), nargs="+", default=[128, 512] if on_cuda else [128])
+    parser.add_argument("--heads", type=bounded(int, min=1), default=6)
+    parser.add_argument("--head-dim", type=bounded(int, min=1), default=64)
+    parser.add_argument("--kernel", type=bounded(int, min=1), default=9)
     parser.add_argument("--dtype", choices=DTYPES, default="bf16" if on_cuda else "fp32")
-    parser.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement on CPU")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--reps", type=bounded(int, min=1), default=20, help="timed repetitions per measurement on CPU")
+    parser.add_argument("--threads", type=bounded(int, min=1), default=None,
                         help="torch CPU threads (default: torch's); 1 is steadier on a shared machine")
     args = parser.parse_args(argv)
     if args.threads:
@@ -240,4 +241,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

@@ -41,6 +41,9 @@ from pathlib import Path
 
 import torch
 
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.config import PRESET_NAMES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/train_step.py` finds hf_electra
 
 PLAIN, ENGINE, HF = "plain PyTorch", "DeepSpeed engine", "transformers ConvBERT"
@@ -59,16 +62,16 @@ def build_shards(work: Path, vocab_size: int) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per row, after 2 of warm-up")
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="small")
+    parser.add_argument("--batch", type=bounded(int, min=1), default=16)
+    parser.add_argument("--seq", type=bounded(int, min=8), default=128)
+    parser.add_argument("--steps", type=bounded(int, min=1), default=20, help="timed steps per row, after 2 of warm-up")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1,
                         help="the engine's ds_configs/zero{N}_bf16.json, precision overridden (default 1: the "
                              "trainer's default file; 0 with bf16 runs DeepSpeed's unfused optimizer)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--vocab-size", type=int, default=30522, help="tokenizer built for the run (not with --shards)")
+    parser.add_argument("--vocab-size", type=bounded(int, min=1), default=30522, help="tokenizer built for the run (not with --shards)")
     parser.add_argument("--shards", type=Path, default=None,
                         help="an existing shard directory (its tokenizer sizes the model); default: build one from "
                              "the built-in corpus")
@@ -87,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="after the timing, profile 3 more steps of each row (torch.profiler): print each "
                              "row's device busy time against its wall time and its costliest kernels, and write "
                              "its trace to DIR/<row>.pt.trace.json.gz (Perfetto opens it)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=bounded(int, min=1), default=None,
                         help="torch threads (1 gives stable figures on a shared machine)")
     args = parser.parse_args(argv)
     args.rows = [name.strip() for name in args.rows.split(",") if name.strip()]
@@ -398,4 +401,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main))

@@ -43,23 +43,34 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{self.prog}: {message}")
 
 
-def bounded(kind: type = int, min: float | None = None, max: float | None = None):
-    """An ``add_argument(type=...)`` that takes a ``kind`` (int or float) in ``[min, max]`` and refuses anything
-    else (non-numeric, out of range, not finite) as one line naming the option: the valid range of an option
-    lives on its parser, once."""
-    limits = " and ".join(part for part in (f">= {min:g}" if min is not None else "",
-                                            f"<= {max:g}" if max is not None else "") if part)
+def bounded(kind: type = int, min: float | None = None, max: float | None = None, *, above: float | None = None,
+            below: float | None = None):
+    """An ``add_argument(type=...)`` that takes a ``kind`` (int or float) in range (``min``/``max`` inclusive,
+    ``above``/``below`` exclusive) and refuses anything else (non-numeric, out of range, not finite) as one
+    line naming the option: the valid range of an option lives on its parser, once. ``.check(value)`` says
+    what is wrong with a value that is already a number (None if nothing), for the same range in an API."""
+    limits = " and ".join(f"{sign} {bound:g}" for sign, bound in ((">=", min), ("<=", max), (">", above), ("<", below))
+                          if bound is not None)
     noun = "an integer" if kind is int else "a number"
+    must = f"must be {noun}{' ' + limits if limits else ''}"
+
+    def check(value) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                kind is int and value != int(value)):
+            return must
+        inside = ((min is None or value >= min) and (max is None or value <= max) and (above is None or value > above)
+                  and (below is None or value < below))
+        return None if inside else must
 
     def parse(text: str):
         try:
             value = kind(text)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if (kind is float and not math.isfinite(value)) or (min is not None and value < min) or (
-                max is not None and value > max):
-            raise argparse.ArgumentTypeError(f"{text!r}: must be {noun}{' ' + limits if limits else ''}")
+        if check(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: {must}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    parse.check, parse.bounds = check, {"min": min, "max": max, "above": above, "below": below, "kind": kind}
     return parse

@@ -18,6 +18,12 @@ shards, while HF matches it as the special token (what fill-mask expects);
 
 ``load_tokenizer(dir)`` also accepts any HuggingFace tokenizer directory, e.g. a
 BERT WordPiece ``vocab.txt``; its special ids come from that tokenizer.
+
+``DIR/preprocessing_tokenizer.json``, written last, records what was trained
+(sizes, sources, settings) and the files' digests: ``sha256`` over all of them
+(``tokenizer_sha256``) and ``files``, one per file. ``load_tokenizer`` checks a
+directory that has it against both, so a damaged or half-copied file is named
+before anything reads it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import sys
 from pathlib import Path
 
 from convbert_ds.cli import ArgumentParser, bounded
+from convbert_ds.errors import first_line
 from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty, write_dir_atomically
 from preprocessing.documents import MAX_LINE_CHARS, iter_documents
 from preprocessing.errors import PreprocessingError, run_cli
@@ -60,6 +67,29 @@ def tokenizer_sha256(directory: str | os.PathLike) -> str:
             h.update(f"{name}\0{len(data)}\0".encode())
             h.update(data)
     return h.hexdigest()
+
+
+def _file_digests(directory: Path) -> dict[str, str]:
+    return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in TOKENIZER_FILES
+            if (directory / name).is_file()}
+
+
+def _check_against_summary(d: Path) -> None:
+    """The files of a directory preprocessing.tokenizer wrote still have the digests its summary recorded."""
+    path, fix = d / SUMMARY_FILE, "copy the whole tokenizer directory again, or train the tokenizer again"
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        recorded, per_file = summary["sha256"], summary.get("files", {})
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as error:
+        raise PreprocessingError(f"{path}: damaged ({first_line(error)}); {fix}") from None
+    if tokenizer_sha256(d) == recorded:
+        return
+    now = _file_digests(d)
+    changed = [str(d / name) for name, digest in per_file.items() if now.get(name) != digest]
+    if per_file and not changed:  # every file as recorded: the record itself is what changed
+        raise PreprocessingError(f"{path}: damaged (its sha256 does not match the files it lists); {fix}")
+    raise PreprocessingError(f"{', '.join(changed) or d}: changed since python -m preprocessing.tokenizer wrote it "
+                             f"(the sha256 in {SUMMARY_FILE} no longer matches); {fix}")
 
 
 class Tokenizer:
@@ -102,6 +132,9 @@ class SentencePieceTokenizer(Tokenizer):
 
         self.dir = directory
         self.model_proto = model_file.read_bytes()
+        if not self.model_proto:  # sentencepiece loads it as a model with no pieces
+            raise PreprocessingError(f"{model_file}: empty file, not a sentencepiece model; copy the tokenizer "
+                                     "directory again, or train it again with python -m preprocessing.tokenizer")
         try:
             self.sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
         except RuntimeError as error:  # sentencepiece's only error for a file that does not parse as a model
@@ -187,6 +220,8 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
     if (d / SUMMARY_FILE).is_file() and missing:
         raise PreprocessingError(f"tokenizer directory {d} lacks {', '.join(missing)} (python -m preprocessing.tokenizer "
                                  "writes them all): copy the whole directory, or train the tokenizer again")
+    if (d / SUMMARY_FILE).is_file():
+        _check_against_summary(d)
     for name in SENTENCEPIECE_FILES:
         if (d / name).is_file():
             return SentencePieceTokenizer(d, d / name)
@@ -348,7 +383,7 @@ def train_tokenizer(inputs: list[str], out: str | os.PathLike, vocab_size: int =
         write_hf_files(tmp, proto)
         tok = SentencePieceTokenizer(tmp, tmp / "tokenizer.model")
         summary = {"vocab_size": tok.vocab_size, "requested_vocab_size": vocab_size, "model_type": model_type,
-                   "special_ids": tok.special_ids, "sha256": tok.sha256,
+                   "special_ids": tok.special_ids, "sha256": tok.sha256, "files": _file_digests(tmp),
                    "sources": [s.describe() for s in sources], "read": stats,
                    "settings": {"input_sentence_size": input_sentence_size,
                                 "character_coverage": character_coverage, "byte_fallback": byte_fallback,

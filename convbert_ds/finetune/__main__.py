@@ -14,7 +14,7 @@ from pathlib import Path
 
 from convbert_ds.cli import ArgumentParser, exit_on_user_error
 from convbert_ds.finetune.errors import FinetuneError
-from convbert_ds.finetune.recipe import PRECISIONS, Recipe
+from convbert_ds.finetune.recipe import PRECISIONS, RANGES, Recipe
 from convbert_ds.finetune.run import RunSpec, run
 from convbert_ds.finetune.tasks import TASK_TYPES, read_custom, read_glue
 from convbert_ds.fsutil import FORCE_FLAG
@@ -44,9 +44,9 @@ def _recipe_options(parser: argparse.ArgumentParser) -> None:
         "save_steps": "write the resumable state every N steps (and after every epoch)",
     }
     for field in dataclasses.fields(Recipe):
-        kind = {"int": int, "float": float, "str": str}[field.type.split(" ")[0]]
-        group.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=field.default,
-                           help=helps[field.name])
+        choices = PRECISIONS if field.name == "precision" else None
+        group.add_argument(f"--{field.name.replace('_', '-')}", type=RANGES.get(field.name, str), choices=choices,
+                           default=field.default, help=helps[field.name])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

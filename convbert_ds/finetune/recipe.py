@@ -12,11 +12,26 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from convbert_ds.cli import bounded
 from convbert_ds.config import ModelConfig
 from convbert_ds.finetune.errors import FinetuneError
 
 PRECISIONS = ("auto", "fp32", "bf16")
 _LONG_TASKS = ("rte", "stsb")  # ELECTRA trains these small sets for 10 epochs instead of 3
+
+
+# The valid range of every numeric field (None, where a field allows it, is always valid: "the default").
+RANGES = {
+    "learning_rate": bounded(float, above=0), "layerwise_lr_decay": bounded(float, above=0, max=1),
+    "weight_decay": bounded(float, min=0), "warmup_fraction": bounded(float, min=0, below=1),
+    "epochs": bounded(float, above=0), "batch_size": bounded(int, min=1), "eval_batch_size": bounded(int, min=1),
+    "max_seq_length": bounded(int, min=4),  # room for [CLS] and [SEP]
+    "dropout": bounded(float, min=0, below=1), "adam_beta1": bounded(float, min=0, below=1),
+    "adam_beta2": bounded(float, min=0, below=1), "adam_epsilon": bounded(float, above=0),
+    "grad_clip": bounded(float, min=0),  # 0 turns clipping off
+    "seeds": bounded(int, min=1), "first_seed": bounded(int, min=0), "examples_per_class": bounded(int, min=1),
+    "max_train_examples": bounded(int, min=1), "save_steps": bounded(int, min=1),
+}
 
 
 @dataclass
@@ -42,28 +57,13 @@ class Recipe:
     save_steps: int = 200
 
     def validate(self) -> None:
-        checks = [
-            ("learning_rate", self.learning_rate is None or self.learning_rate > 0, "a positive number, e.g. 1e-4"),
-            ("layerwise_lr_decay", 0 < self.layerwise_lr_decay <= 1, "in (0, 1]; 1 turns the decay off"),
-            ("weight_decay", self.weight_decay >= 0, ">= 0, e.g. 0.01"),
-            ("warmup_fraction", 0 <= self.warmup_fraction < 1, "in [0, 1), e.g. 0.1"),
-            ("epochs", self.epochs is None or self.epochs > 0, "a positive number, e.g. 3"),
-            ("batch_size", self.batch_size >= 1, "a positive integer, e.g. 32"),
-            ("eval_batch_size", self.eval_batch_size >= 1, "a positive integer"),
-            ("max_seq_length", self.max_seq_length >= 4, "at least 4 (room for [CLS] and [SEP])"),
-            ("dropout", self.dropout is None or 0 <= self.dropout < 1, "a probability in [0, 1)"),
-            ("adam_epsilon", self.adam_epsilon > 0, "a positive number, e.g. 1e-6"),
-            ("grad_clip", self.grad_clip >= 0, ">= 0 (0 turns clipping off)"),
-            ("seeds", self.seeds >= 1, "at least 1"),
-            ("first_seed", self.first_seed >= 0, ">= 0"),
-            ("precision", self.precision in PRECISIONS, f"one of {PRECISIONS}"),
-            ("examples_per_class", self.examples_per_class is None or self.examples_per_class >= 1, ">= 1"),
-            ("max_train_examples", self.max_train_examples is None or self.max_train_examples >= 1, ">= 1"),
-            ("save_steps", self.save_steps >= 1, "a positive number of steps"),
-        ]
-        for name, ok, fix in checks:
-            if not ok:
-                raise FinetuneError(f"--{name.replace('_', '-')}={getattr(self, name)!r}: must be {fix}")
+        """Each field against its range in ``RANGES`` (the command line's parser uses the same ones)."""
+        for name, in_range in RANGES.items():
+            value = getattr(self, name)
+            if value is not None and in_range.check(value):
+                raise FinetuneError(f"--{name.replace('_', '-')}={value!r}: {in_range.check(value)}")
+        if self.precision not in PRECISIONS:
+            raise FinetuneError(f"--precision={self.precision!r}: must be one of {PRECISIONS}")
 
     def resolve(self, task_name: str, model: ModelConfig, cuda: bool) -> "Recipe":
         """Fill the task- and model-dependent defaults; check the result against the model."""

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 from convbert_ds.convert.to_hf import tokenizer_files
 from convbert_ds.engine import distributed
@@ -34,6 +33,7 @@ from convbert_ds.finetune.model_source import initial_model, resolve_model
 from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.tasks import TaskData
 from convbert_ds.fsutil import write_json_atomically, write_text_atomically
+from convbert_ds.model.hf_io import read_tokenizer
 
 SEEDS_DIR, STATE_DIR, BEST_DIR = "seeds", "state", "best"
 
@@ -188,7 +188,7 @@ def run(spec: RunSpec) -> dict | None:
     source = resolve_model(spec.model, out, convert=False)
     recipe = spec.recipe.resolve(spec.task.name, source.config, place.device.type == "cuda")
     settings = _settings(spec, recipe, source.description)
-    tokenizer = AutoTokenizer.from_pretrained(str(source.hf_dir), local_files_only=True)
+    tokenizer = read_tokenizer(source.hf_dir)
     task = spec.task
     train = encode(tokenizer, task, select_train(task, recipe), recipe.max_seq_length)
     evals = {split: encode(tokenizer, task, examples, recipe.max_seq_length) for split, examples in task.evals.items()}

@@ -47,6 +47,30 @@ def read_config(directory, **overrides) -> ModelConfig:
         raise WeightsError(f"{path}: {error}") from None
 
 
+# What transformers' AutoTokenizer parses as JSON in a model directory (a damaged one is a traceback there).
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def read_tokenizer(directory):
+    """transformers' own ``AutoTokenizer`` of a model directory; a damaged tokenizer file is one line naming it
+    (a flipped byte inside a vocabulary string cannot be told from a real piece: no checksums there)."""
+    from transformers import AutoTokenizer  # seconds to import: only where a tokenizer is read
+
+    for name in TOKENIZER_JSON_FILES:
+        path = Path(directory) / name
+        try:
+            if path.is_file():
+                json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise WeightsError(f"{path}: not valid JSON ({first_line(error)}); the file is damaged: copy or convert "
+                               "the model again") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise WeightsError(f"{directory}: transformers cannot load its tokenizer ({first_line(error)}); copy or "
+                           "convert the model again") from None
+
+
 def read_weights(directory) -> dict[str, torch.Tensor]:
     directory = Path(directory)
     for name in WEIGHT_FILES:

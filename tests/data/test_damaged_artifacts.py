@@ -2,9 +2,9 @@
 process group, not at the first evaluation hours later) and reported in one line naming the file, exit 2.
 
 Shard directories (train and valid splits: ``.bin``, ``.idx`` and the manifest, truncated, bit-flipped or
-emptied; bit rot that keeps size and mtime), tokenizer directories missing each file, HF model directories
-with a wrong ``config.json`` or damaged weights, a checkpoint's damaged ``trainer_state.json``. The other
-damaged checkpoint files are ``tests/engine/test_checkpoint_integrity.py``'s.
+emptied; bit rot that keeps size and mtime), tokenizer directories missing each file or with each file
+damaged, HF model directories with a wrong ``config.json``, damaged weights or tokenizer files, a checkpoint's damaged
+``trainer_state.json``. The other damaged checkpoint files are ``tests/engine/test_checkpoint_integrity.py``'s.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import transformers
 
 from convbert_ds import train
 from convbert_ds.convert.__main__ import main as convert_main
+from convbert_ds.finetune.__main__ import main as finetune_main
 from convbert_ds.formats.shard_manifest import ShardManifestError
+from convbert_ds.model.hf_io import TOKENIZER_JSON_FILES
 from launch import TINY_CONFIG
 from preprocessing.errors import run_cli
 from preprocessing.shard import main as shard_main
@@ -39,7 +41,9 @@ def _damage(path, kind: str) -> None:
 
 
 def _err_lines(capsys) -> list[str]:
-    return [line for line in capsys.readouterr().err.splitlines() if line.strip() and "[WARNING]" not in line]
+    """stderr less DeepSpeed's start-up warning and progress bars (datasets' "... examples/s]" lines)."""
+    return [line for line in capsys.readouterr().err.splitlines()
+            if line.strip() and "[WARNING]" not in line and not re.search(r" \w+/s\]$", line)]
 
 
 @pytest.mark.parametrize("kind", ["truncated", "bit-flipped", "emptied"])
@@ -116,6 +120,30 @@ def test_a_tokenizer_dir_missing_a_file_is_one_line(missing, tiny_corpus, tmp_pa
     assert str(tokenizer) in err[0], err
 
 
+@pytest.mark.parametrize("kind", ["truncated", "bit-flipped", "emptied", "another format"])
+@pytest.mark.parametrize("file", WRITTEN_FILES)
+def test_a_damaged_tokenizer_file_is_one_line_naming_it(file, kind, tiny_corpus, tmp_path, capsys):
+    """Every file preprocessing.tokenizer writes, damaged in its content: the digests its summary recorded
+    name the file before sentencepiece or transformers read it. In the summary itself the digest is what is
+    flipped: its other fields describe the run and no command reads them."""
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(tiny_corpus["tokenizer"], tokenizer)
+    path = tokenizer / file
+    if kind == "another format":
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    elif kind == "bit-flipped" and file == WRITTEN_FILES[-1]:
+        text = path.read_text()
+        digest = json.loads(text)["sha256"]
+        path.write_text(text.replace(digest, digest[:5] + ("0" if digest[5] != "0" else "1") + digest[6:]))
+    else:
+        _damage(path, kind)
+    code = run_cli(shard_main, ["--input", str(tiny_corpus["corpus"]), "--tokenizer", str(tokenizer),
+                                "--out", str(tmp_path / "shards")])
+    err = _err_lines(capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{path}: " in err[0] and ("damaged" in err[0] or "changed since" in err[0]), err
+
+
 @pytest.fixture(scope="module")
 def hf_dir(tiny_corpus, tmp_path_factory):
     """A small transformers ConvBertModel directory with the tiny corpus's tokenizer."""
@@ -165,6 +193,26 @@ def test_an_hf_dir_with_damaged_weights_is_one_line(kind, hf_dir, tmp_path, caps
     err = _err_lines(capsys)
     assert code == 2 and len(err) == 1, err
     assert f"{weights}: unreadable" in err[0], err
+
+
+@pytest.mark.parametrize("kind", ["truncated", "emptied", "another format"])
+@pytest.mark.parametrize("file", TOKENIZER_JSON_FILES)
+def test_an_hf_dir_with_a_damaged_tokenizer_file_is_one_line(file, kind, hf_dir, tmp_path, capsys):
+    """The tokenizer files of a transformers directory, as the converter writes them (no digests: a flipped
+    byte inside a vocabulary string cannot be told from a real piece), read by fine-tuning."""
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model, ignore=shutil.ignore_patterns("preprocessing_tokenizer.json"))
+    if kind == "another format":
+        (model / file).write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    else:
+        _damage(model / file, kind)
+    task = tmp_path / "task.csv"
+    task.write_text("text,label\n" + "".join(f"example number {i},{i % 2}\n" for i in range(8)))
+    code = finetune_main(["--model", str(model), "--out", str(tmp_path / "out"), "--train", str(task),
+                          "--validation", str(task), "--text-column", "text", "--label-column", "label"])
+    err = _err_lines(capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{model / file}: not valid JSON" in err[0], err
 
 
 @pytest.mark.parametrize("content", ['{"step": 2, "da', "[1, 2]", ""])

@@ -31,6 +31,14 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def read_json(path, error: type[Exception], fix: str):
+    """A UTF-8 JSON file's value; one that does not parse raises ``error`` naming the file, why, and ``fix``."""
+    try:
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as reason:
+        raise error(f"{path}: not valid JSON ({reason}); {fix}") from None
+
+
 def write_bytes_atomically(path, data: bytes) -> None:
     """Temporary name, fsync, rename: a crash leaves the old file or the new one, never a mix."""
     path = Path(path)

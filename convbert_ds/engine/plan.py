@@ -29,6 +29,7 @@ from convbert_ds.formats.train_config import PROFILE_KINDS, TrainConfig
 from convbert_ds.formats.shard_manifest import read_manifest
 from convbert_ds.formats.init_dir import init_generator_config, init_model_config, read_init
 from convbert_ds.errors import UserError
+from convbert_ds.fsutil import read_json
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,10 +92,7 @@ def load_ds_config(cfg: TrainConfig) -> dict:
             raise ConfigError(f"deepspeed.config={raw!r}: file not found; use one of ds_configs/*.json "
                               "or an inline mapping")
         where = str(path)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ConfigError(f"{where}: not valid JSON ({error}); fix the file or use one of ds_configs/*.json")
+        raw = read_json(path, ConfigError, "fix the file or use one of ds_configs/*.json")
     if not isinstance(raw, dict):
         raise ConfigError(f"deepspeed.config: expected a path or a mapping, got {raw!r}")
     owned = [(key, use) for key, use in TRAINER_OWNED_DS_KEYS.items() if key in raw]

@@ -20,14 +20,13 @@ fields); both raise ``ShardManifestError`` naming the file, the field and the fi
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
 from convbert_ds.errors import UserError
-from convbert_ds.fsutil import write_json_atomically
+from convbert_ds.fsutil import read_json, write_json_atomically
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
@@ -101,10 +100,7 @@ def read_manifest(shard_dir: str | os.PathLike, verify: bool = True) -> dict:
         hint = " (an interrupted run is there: rerun it to resume)" if (root / PROGRESS).is_file() else ""
         raise MissingShardFileError(f"{path} not found{hint}: shard directories (e.g. data.sets paths) are "
                                     f"written by `python -m preprocessing.shard --out DIR`")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ShardManifestError(f"{path}: not valid JSON ({e}); {_RERUN}") from None
+    manifest = read_json(path, ShardManifestError, _RERUN)
     check_fields(manifest, path)
     for split in manifest["splits"].values():
         for shard in split["shards"]:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from convbert_ds.config import ConfigError, ModelConfig
 from convbert_ds.errors import UserError, first_line
-from convbert_ds.fsutil import write_dir_atomically
+from convbert_ds.fsutil import read_json, write_dir_atomically
 from convbert_ds.model.tied import fill_tied, untie
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -35,10 +35,7 @@ def read_config(directory, **overrides) -> ModelConfig:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise WeightsError(f"{path} not found: not a transformers model directory")
-    try:
-        values = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise WeightsError(f"{path}: not valid JSON ({error}); restore the model directory's config.json") from None
+    values = read_json(path, WeightsError, "restore the model directory's config.json")
     if not isinstance(values, dict):
         raise WeightsError(f"{path}: holds a {type(values).__name__}, not transformers' config mapping")
     try:
@@ -56,14 +53,9 @@ def read_tokenizer(directory):
     (a flipped byte inside a vocabulary string cannot be told from a real piece: no checksums there)."""
     from transformers import AutoTokenizer  # seconds to import: only where a tokenizer is read
 
-    for name in TOKENIZER_JSON_FILES:
-        path = Path(directory) / name
-        try:
-            if path.is_file():
-                json.loads(path.read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise WeightsError(f"{path}: not valid JSON ({first_line(error)}); the file is damaged: copy or convert "
-                               "the model again") from None
+    for path in (Path(directory) / name for name in TOKENIZER_JSON_FILES):
+        if path.is_file():
+            read_json(path, WeightsError, "the file is damaged: copy or convert the model again")
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -86,17 +78,12 @@ def read_weights(directory) -> dict[str, torch.Tensor]:
     raise WeightsError(f"no weights in {directory}: expected one of {WEIGHT_FILES}")
 
 
-def _normalise(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """Map a file's names onto a model whose body prefix is ``prefix`` ("" for a bare body)."""
-    weights = {k: v for k, v in weights.items() if not k.endswith(_IGNORED)}
+def load_weights(model: torch.nn.Module, directory, prefix: str) -> None:
+    """A file's weights into a model whose body prefix is ``prefix`` ("" for a bare body)."""
+    weights = {k: v for k, v in read_weights(directory).items() if not k.endswith(_IGNORED)}
     if prefix == "" and any(k.startswith(_BODY_PREFIX) for k in weights):
         # A body loaded out of a model with heads: keep the body, drop the heads.
-        return {k[len(_BODY_PREFIX):]: v for k, v in weights.items() if k.startswith(_BODY_PREFIX)}
-    return weights
-
-
-def load_weights(model: torch.nn.Module, directory, prefix: str) -> None:
-    weights = _normalise(read_weights(directory), prefix)
+        weights = {k[len(_BODY_PREFIX):]: v for k, v in weights.items() if k.startswith(_BODY_PREFIX)}
     expected = model.state_dict()
     head, table = "generator_lm_head.weight", f"{_BODY_PREFIX}embeddings.word_embeddings.weight"
     if head in weights and table in weights and not torch.equal(weights[head], weights[table]):

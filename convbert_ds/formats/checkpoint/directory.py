@@ -48,7 +48,7 @@ from pathlib import Path
 
 from convbert_ds.errors import UserError
 from convbert_ds.formats.shard_manifest import file_sha256
-from convbert_ds.fsutil import write_text_atomically
+from convbert_ds.fsutil import read_json, write_text_atomically
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -212,10 +212,7 @@ def choose_resume_tag(directory: Path, verify_mode: str) -> str | None:
 def read_trainer_state(tag_dir: Path) -> dict:
     """A tag's ``trainer_state.json``: step, sampler state, config, layout, tokenizer."""
     path = tag_dir / TRAINER_STATE
-    try:
-        state = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: not valid JSON ({error}); {_DAMAGED_TAG}") from None
+    state = read_json(path, CheckpointError, _DAMAGED_TAG)
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: a JSON {type(state).__name__}, not the trainer's state object; {_DAMAGED_TAG}")
     return state

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     preemption = Preemption()  # first, so a signal during start-up is remembered, not fatal
     # DeepSpeed calls torch.distributed APIs that torch marks deprecated, once per step.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    restore = distributed.saved_torch_vars()  # put back when nothing starts (a caller in this process)
     launcher, where = distributed.discover(), ""
     try:
         args = parse_args(argv)
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before any process group: every rank prints the same one line, rank 0 is enough.
         if distributed.rank() == 0:
             print(f"config error{where}: {error}", file=sys.stderr)
+        restore()
         return EXIT_USER_ERROR
     cfg = plan.cfg
     if not plan.has_valid and cfg.eval.interval and cfg.eval.samples and distributed.rank() == 0:
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
               f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum}")
         print(f"checkpoint_dir={cfg.checkpoint.dir}")  # the line the Slurm scripts read
     if args.print_config or args.check_config:
+        restore()
         return 0
     trainer = Trainer(plan)
     if torch.cuda.is_available():

@@ -85,6 +85,21 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
+def saved_torch_vars() -> Callable[[], None]:
+    """``TORCH_VARS`` as they are now; calling the result puts them back. ``discover`` sets them even for one
+    process, and a caller in the same process (a test, a benchmark) must not pass RANK=0 WORLD_SIZE=1 on to
+    the launchers it starts next."""
+    before = {name: os.environ.get(name) for name in TORCH_VARS}
+
+    def restore() -> None:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return restore
+
+
 def discover() -> str:
     """Fill the torch.distributed variables from the launcher; return the launcher's name."""
     if all(v in os.environ for v in ("RANK", "WORLD_SIZE")):

@@ -73,17 +73,11 @@ def select_train(task: TaskData, recipe: Recipe) -> list:
 
 
 def _placement() -> Placement:
-    before = {name: os.environ.get(name) for name in distributed.TORCH_VARS}
+    restore = distributed.saved_torch_vars()
     distributed.discover()
     world, rank = distributed.world_size(), distributed.rank()
-    if world == 1:
-        # One process needs no rendezvous: leave the environment as it was, so that a caller (a benchmark,
-        # a test) does not pass RANK=0 WORLD_SIZE=1 on to the launchers it starts next.
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    if world == 1:  # one process needs no rendezvous: leave the environment as it was
+        restore()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:

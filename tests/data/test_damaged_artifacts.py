@@ -3,8 +3,9 @@ process group, not at the first evaluation hours later) and reported in one line
 
 Shard directories (train and valid splits: ``.bin``, ``.idx`` and the manifest, truncated, bit-flipped or
 emptied; bit rot that keeps size and mtime), tokenizer directories missing each file or with each file
-damaged, HF model directories with a wrong ``config.json``, damaged weights or tokenizer files, a checkpoint's damaged
-``trainer_state.json``. The other damaged checkpoint files are ``tests/engine/test_checkpoint_integrity.py``'s.
+damaged, HF model directories with a wrong ``config.json``, damaged weights or tokenizer files, fine-tuning
+task files, a checkpoint's damaged ``trainer_state.json``. The other damaged checkpoint files are
+``tests/engine/test_checkpoint_integrity.py``'s; a damaged index cache is rebuilt (``test_data_cache.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _damage(path, kind: str) -> None:
         data = data[: len(data) // 2]
     elif kind == "emptied":
         data = bytearray()
+    elif kind == "another format":
+        data = bytearray(b"\x89PNG\r\n\x1a\n" + bytes(64))
     else:  # one bit flipped: the size stays, only the checksum can tell
         data[len(data) // 3] ^= 0x10
     path.write_bytes(bytes(data))
@@ -46,7 +49,7 @@ def _err_lines(capsys) -> list[str]:
             if line.strip() and "[WARNING]" not in line and not re.search(r" \w+/s\]$", line)]
 
 
-@pytest.mark.parametrize("kind", ["truncated", "bit-flipped", "emptied"])
+@pytest.mark.parametrize("kind", ["truncated", "bit-flipped", "emptied", "another format"])
 @pytest.mark.parametrize("file", ["train/shard-00000.bin", "train/shard-00000.idx", "valid/shard-00000.bin",
                                   "valid/shard-00000.idx", "manifest.json"])
 def test_a_damaged_shard_file_stops_the_run_at_start(file, kind, tiny_corpus, tmp_path, capsys):
@@ -129,9 +132,7 @@ def test_a_damaged_tokenizer_file_is_one_line_naming_it(file, kind, tiny_corpus,
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(tiny_corpus["tokenizer"], tokenizer)
     path = tokenizer / file
-    if kind == "another format":
-        path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
-    elif kind == "bit-flipped" and file == WRITTEN_FILES[-1]:
+    if kind == "bit-flipped" and file == WRITTEN_FILES[-1]:
         text = path.read_text()
         digest = json.loads(text)["sha256"]
         path.write_text(text.replace(digest, digest[:5] + ("0" if digest[5] != "0" else "1") + digest[6:]))
@@ -202,10 +203,7 @@ def test_an_hf_dir_with_a_damaged_tokenizer_file_is_one_line(file, kind, hf_dir,
     byte inside a vocabulary string cannot be told from a real piece), read by fine-tuning."""
     model = tmp_path / "model"
     shutil.copytree(hf_dir, model, ignore=shutil.ignore_patterns("preprocessing_tokenizer.json"))
-    if kind == "another format":
-        (model / file).write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
-    else:
-        _damage(model / file, kind)
+    _damage(model / file, kind)
     task = tmp_path / "task.csv"
     task.write_text("text,label\n" + "".join(f"example number {i},{i % 2}\n" for i in range(8)))
     code = finetune_main(["--model", str(model), "--out", str(tmp_path / "out"), "--train", str(task),
@@ -213,6 +211,35 @@ def test_an_hf_dir_with_a_damaged_tokenizer_file_is_one_line(file, kind, hf_dir,
     err = _err_lines(capsys)
     assert code == 2 and len(err) == 1, err
     assert f"{model / file}: not valid JSON" in err[0], err
+
+
+def _task_file(path: Path) -> None:
+    rows = [(f"sentence number {i} is {'good' if i % 2 else 'bad'}, or so", i % 2) for i in range(40)]
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps({"text": text, "label": label}) + "\n" for text, label in rows))
+    else:
+        sep = "," if path.suffix == ".csv" else "\t"
+        path.write_text(f"text{sep}label\n" + "".join(f'"{text}"{sep}{label}\n' for text, label in rows))
+
+
+@pytest.mark.parametrize("kind", ["truncated", "emptied", "another format"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".tsv"])
+def test_a_damaged_task_file_is_one_line_naming_it(suffix, kind, hf_dir, tmp_path, capsys):
+    """Fine-tuning's task files, cut inside a record, emptied or replaced by another format, through the real
+    command (a flipped byte inside a text is a different text: user data carries no checksums)."""
+    train_file, validation = tmp_path / f"train{suffix}", tmp_path / f"validation{suffix}"
+    _task_file(train_file)
+    _task_file(validation)
+    if kind == "truncated":  # inside a record: a file cut between two records is a valid shorter file
+        data = train_file.read_bytes()
+        train_file.write_bytes(data[:data.index(b"sentence number 20") + 9])
+    else:
+        _damage(train_file, kind)
+    code = finetune_main(["--model", str(hf_dir), "--out", str(tmp_path / "out"), "--train", str(train_file),
+                          "--validation", str(validation), "--text-column", "text", "--label-column", "label"])
+    err = _err_lines(capsys)
+    assert code == 2 and len(err) == 1, err
+    assert str(train_file) in err[0], err
 
 
 @pytest.mark.parametrize("content", ['{"step": 2, "da', "[1, 2]", ""])

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from convbert_ds.cli import ArgumentParser, bounded
 from convbert_ds.errors import first_line
+from convbert_ds.formats.shard_manifest import file_sha256
 from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty, write_dir_atomically
 from preprocessing.documents import MAX_LINE_CHARS, iter_documents
 from preprocessing.errors import PreprocessingError, run_cli
@@ -70,8 +71,7 @@ def tokenizer_sha256(directory: str | os.PathLike) -> str:
 
 
 def _file_digests(directory: Path) -> dict[str, str]:
-    return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in TOKENIZER_FILES
-            if (directory / name).is_file()}
+    return {name: file_sha256(directory / name) for name in TOKENIZER_FILES if (directory / name).is_file()}
 
 
 def _check_against_summary(d: Path) -> None:

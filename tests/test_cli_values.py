@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import subprocess
 import sys
 from unittest import mock
@@ -54,7 +55,9 @@ def parser_of(module: str) -> argparse.ArgumentParser:
     def stop(parser, *args, **kwargs):
         raise _Parsed(parser)
 
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", stop):
+    # The environment as it was afterwards: main stopped this way skips its own clean-up (the train CLI's
+    # discovery sets RANK/WORLD_SIZE, which later launches from this process would inherit).
+    with mock.patch.dict(os.environ), mock.patch.object(argparse.ArgumentParser, "parse_args", stop):
         try:
             run(module, list(REQUIRED.get(module, MORE.get(module, []))))
         except _Parsed as parsed:
@@ -80,9 +83,7 @@ def _valued(parser: argparse.ArgumentParser, first: list[str]) -> list[tuple[lis
     return found
 
 
-@pytest.fixture(scope="module")
-def options() -> dict[str, list[tuple[list[str], argparse.Action]]]:
-    return {module: _options(module) for module in COMMANDS}
+OPTIONS = {module: _options(module) for module in COMMANDS}  # read once, at collection
 
 
 def bad_values(action: argparse.Action) -> list[str]:
@@ -110,25 +111,24 @@ def _refused_in_one_line(module: str, first: list[str], action: argparse.Action,
     return f"{module} {option}={value!r}: exit {code}, stderr {err}"
 
 
-def test_every_number_option_declares_its_range(options):
+def test_every_number_option_declares_its_range():
     bare = [f"{module} {action.option_strings[-1]} (type={action.type.__name__})"
-            for module, actions in options.items() for _, action in actions
+            for module, actions in OPTIONS.items() for _, action in actions
             if action.type in (int, float) and action.choices is None]
     assert not bare, "declare the range with convbert_ds.cli.bounded, or choices: " + ", ".join(bare)
 
 
-def test_every_value_out_of_range_is_one_line_naming_the_option(options, capsys):
-    cases = [(module, first, action, value) for module, actions in options.items() for first, action in actions
+def test_every_value_out_of_range_is_one_line_naming_the_option(capsys):
+    cases = [(module, first, action, value) for module, actions in OPTIONS.items() for first, action in actions
              for value in bad_values(action)]
     reach = len({(module, tuple(first), action.dest) for module, first, action, _ in cases})
-    print(f"{len(cases)} bad values over {reach} options of {len(options)} commands")
     assert reach > 70, reach  # the suite's reach: every option that declares a range or choices
     failures = [failed for module, first, action, value in cases
                 if (failed := _refused_in_one_line(module, first, action, value, capsys))]
     assert not failures, "\n".join(failures)
 
 
-NUMBER_OPTIONS = [(module, first, action) for module in COMMANDS for first, action in _options(module)
+NUMBER_OPTIONS = [(module, first, action) for module, actions in OPTIONS.items() for first, action in actions
                   if getattr(action.type, "bounds", None)]
 
 

@@ -60,8 +60,8 @@ class Recipe:
         """Each field against its range in ``RANGES`` (the command line's parser uses the same ones)."""
         for name, in_range in RANGES.items():
             value = getattr(self, name)
-            if value is not None and in_range.check(value):
-                raise FinetuneError(f"--{name.replace('_', '-')}={value!r}: {in_range.check(value)}")
+            if value is not None and (wrong := in_range.check(value)):
+                raise FinetuneError(f"--{name.replace('_', '-')}={value!r}: {wrong}")
         if self.precision not in PRECISIONS:
             raise FinetuneError(f"--precision={self.precision!r}: must be one of {PRECISIONS}")
 

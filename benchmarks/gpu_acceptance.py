@@ -24,6 +24,7 @@ Exit code: 0 when every part that ran passed, 1 otherwise (the figures are writt
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -51,6 +52,7 @@ class PretrainRun:
     sdconv: str
     compile: bool
     compile_mode: str = "layers"  # train.compile_mode when compile is on: layers, or step (the whole step)
+    seq: int | None = None  # None: the scale's; longer sequences get a smaller batch (same tokens per step)
 
     @property
     def compile_label(self) -> str:
@@ -60,7 +62,8 @@ class PretrainRun:
 # Base bf16 first: the headline MFU figure, eager and with the whole step compiled; then what each switch
 # changes, one at a time (the budget rarely reaches the last ones: the most telling come first).
 GPU_RUNS = [PretrainRun("base", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", True, "step"),
-            PretrainRun("small", "bf16", "triton", False), PretrainRun("small", "bf16", "triton", True, "step"),
+            PretrainRun("small", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", False, seq=512),
+            PretrainRun("small", "bf16", "triton", True, "step"), PretrainRun("small", "bf16", "triton", False, seq=512),
             PretrainRun("base", "bf16", "torch", False), PretrainRun("base", "bf16", "triton", True),
             PretrainRun("base", "fp16", "triton", False), PretrainRun("small", "bf16", "torch", False),
             PretrainRun("base", "fp16", "triton", True), PretrainRun("small", "fp16", "triton", False),
@@ -152,14 +155,15 @@ class Acceptance:
 
     def pretrain(self) -> str:
         shards = self._shards()
-        rows = ["| preset | precision | SDConv | compile | samples/s | tokens/s | TFLOP/s | MFU | first step (s) |",
-                "|---|---|---|---|---:|---:|---:|---:|---:|"]
+        rows = ["| preset | seq x batch | precision | SDConv | compile | samples/s | tokens/s | TFLOP/s | MFU | "
+                "first step (s) |", "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
         for spec in self.scale.runs:
             figures = self._pretrain_one(spec, shards)
-            rows.append(f"| {spec.preset} | {spec.precision} | {spec.sdconv} | {spec.compile_label} | "
+            seq, batch = self._shape(spec)
+            rows.append(f"| {spec.preset} | {seq} x {batch} | {spec.precision} | {spec.sdconv} | {spec.compile_label} | "
                         + " | ".join(figures) + " |")
         s = self.scale
-        return "\n".join([f"Global batch {s.batch} x seq {s.seq}, one process, {s.steps} steps, ZeRO-1 "
+        return "\n".join([f"Global batch {s.batch} x seq {s.seq} (longer sequences: the same tokens per step), one process, {s.steps} steps, ZeRO-1 "
                           f"(`ds_configs/zero1_bf16.json`, the trainer's lean default, precision overridden); "
                           f"logged every {s.log_interval} steps, medians of the rows after the first "
                           f"{s.warmup_rows}. Each run: `python -m "
@@ -180,13 +184,18 @@ class Acceptance:
         shard_corpus([str(corpus)], str(tokenizer), str(self.work / "shards"), workers=1)
         return self.work / "shards"
 
+    def _shape(self, spec: PretrainRun) -> tuple[int, int]:
+        """(seq, global batch) of one run: a longer sequence keeps the scale's tokens per step."""
+        seq = spec.seq or self.scale.seq
+        return seq, max(1, self.scale.batch * self.scale.seq // seq)
+
     def _train_args(self, spec: PretrainRun, shards: Path, run_dir: Path, steps: int) -> list[str]:
         """``convbert_ds.train``'s arguments for one throughput run (one process: micro = global batch)."""
+        seq, batch = self._shape(spec)
         config = REPO / "configs" / ("tiny_cpu.yaml" if spec.preset == "tiny" else f"{spec.preset}.yaml")
         return ["--config", str(config),
-                f"data.sets=[{{path: '{shards}', weight: 1.0}}]", f"data.seq_len={self.scale.seq}",
-                "data.num_workers=2", f"train.global_batch_size={self.scale.batch}",
-                f"train.micro_batch_size={self.scale.batch}", f"train.steps={steps}", "train.warmup_steps=1",
+                f"data.sets=[{{path: '{shards}', weight: 1.0}}]", f"data.seq_len={seq}",
+                "data.num_workers=2", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.steps={steps}", "train.warmup_steps=1",
                 f"train.precision={spec.precision}", f"train.compile={str(spec.compile).lower()}",
                 f"train.compile_mode={spec.compile_mode}",
                 f"model.overrides.sdconv_impl={spec.sdconv}", "deepspeed.config=ds_configs/zero1_bf16.json",
@@ -196,10 +205,11 @@ class Acceptance:
 
     def _pretrain_one(self, spec: PretrainRun, shards: Path) -> list[str]:
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
-        name = f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}"
+        name = f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{self._shape(spec)[0]}"
         run_dir = self.work / name
         code, _, _ = self.run(name, [sys.executable, "-m", "convbert_ds.train",
-                                  *self._train_args(spec, shards, run_dir, self.scale.steps)], limit_s=150)
+                                  *self._train_args(spec, shards, run_dir, self.scale.steps)],
+                              limit_s=200 if spec.compile else 120)  # compiling base took ~150 s on an H100
         try:
             rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
         except OSError:
@@ -210,7 +220,7 @@ class Acceptance:
         steady = rows[self.scale.warmup_rows:]
         if code != 0 or not steady:
             return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 4
-        first = self.scale.batch / rows[0]["samples_per_s"]
+        first = self._shape(spec)[1] / rows[0]["samples_per_s"]
 
         def median(key: str, fmt: str) -> str:
             values = [row[key] for row in steady if row.get(key) is not None]
@@ -239,6 +249,21 @@ class Acceptance:
             self.failed.remove("nccl")  # NCCL's own rule, not our failure
             return "Skipped: NCCL refuses two ranks on one GPU (`Duplicate GPU detected`); it needs 2 GPUs."
         return "Failed: " + _fenced(output.strip().splitlines()[-15:])
+
+
+# Each part's section title, in the default order.
+PARTS = {"tests": "Kernel, fallback and parity tests", "sdconv": "SDConv kernel",
+         "train_step": "Training step: plain PyTorch vs DeepSpeed engine vs transformers' ConvBERT",
+         "pretrain": "One-GPU ELECTRA pretraining throughput (the trainer's own log)",
+         "nccl": "Two processes on one GPU"}
+
+
+def _part_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PARTS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give each of {', '.join(PARTS)} at most once, comma-separated")
+    return names
 
 
 def device_name(on_gpu: bool) -> str:
@@ -284,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-smoke", metavar="OUT.md", type=Path,
                         help="run every part at toy sizes on CPU and write the section to OUT.md (not RESULTS.md)")
     parser.add_argument("--budget", type=bounded(float, above=0), default=540, help="seconds for all parts together (default 540)")
+    parser.add_argument("--parts", type=_part_list, default=list(PARTS),
+                        help=f"comma-separated parts to run, in this order (default: {','.join(PARTS)}); a short "
+                             "lease can put the figures it needs most first")
+    parser.add_argument("--logs", metavar="DIR", type=Path,
+                        help="also keep each part's full log (PART.log) in DIR (default: only the summary is kept)")
     args = parser.parse_args(argv)
     import torch
     on_gpu = torch.cuda.is_available()
@@ -294,13 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu_acceptance_") as tmp:
         acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget)
-        body = [("Kernel, fallback and parity tests", acceptance.tests()),
-                ("SDConv kernel", acceptance.sdconv()),
-                ("Training step: plain PyTorch vs DeepSpeed engine vs transformers' ConvBERT",
-                 acceptance.train_step()),
-                ("One-GPU ELECTRA pretraining throughput (the trainer's own log)", acceptance.pretrain()),
-                ("Two processes on one GPU", acceptance.nccl(on_gpu))]
-    command = "python -m benchmarks.gpu_acceptance" + ("" if on_gpu else f" --cpu-smoke {args.cpu_smoke.name}")
+        parts = {"tests": acceptance.tests, "sdconv": acceptance.sdconv, "train_step": acceptance.train_step,
+                 "pretrain": acceptance.pretrain, "nccl": lambda: acceptance.nccl(on_gpu)}
+        body = [(PARTS[name], parts[name]()) for name in args.parts]
+        if args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for log in Path(tmp).glob("*.log"):
+                shutil.copy(log, args.logs / log.name)
+    command = " ".join(["python -m benchmarks.gpu_acceptance", *([] if on_gpu else ["--cpu-smoke", args.cpu_smoke.name]),
+                        *([] if args.parts == list(PARTS) else ["--parts", ",".join(args.parts)]),
+                        *([] if args.budget == 540 else ["--budget", f"{args.budget:g}"])])
     date = datetime.date.today().isoformat()
     section = [f"### {date}: {device_name(on_gpu)}", "",
                environment(on_gpu), f"Command: `{command}` ({time.monotonic() - started:.0f} s in all).",

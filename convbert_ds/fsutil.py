@@ -7,6 +7,7 @@ name and swapped in by renames, so at every instant the old whole directory or t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -70,6 +71,15 @@ def _share_like_umask(directory: Path) -> None:
     directory.chmod(0o777 & ~umask)
     for path in directory.rglob("*"):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file's bytes, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_dir_atomically(directory, fill: Callable[[Path], None]) -> Path:

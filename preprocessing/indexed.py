@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convbert_ds.formats.shard_manifest import file_sha256
+from convbert_ds.fsutil import file_sha256
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from convbert_ds.data.builtin_corpus import iter_documents
+from convbert_ds.fsutil import file_sha256
 from convbert_ds.formats.shard_manifest import (
-    SHARD_FILES, file_sha256, read_manifest, shard_prefix, split_entry, write_manifest)
+    SHARD_FILES, read_manifest, shard_prefix, split_entry, write_manifest)
 
 SPECIAL_IDS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")

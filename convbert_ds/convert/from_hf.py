@@ -21,13 +21,14 @@ from convbert_ds.formats.init_dir import (INIT_FILE, INIT_FORMAT, INIT_FORMAT_VE
                                           match_weights)
 from convbert_ds.fsutil import refuse_non_empty, write_dir_atomically
 from convbert_ds.model import ConvBertForMaskedLM, ConvBertModel
-from convbert_ds.model.hf_io import WeightsError, read_weights
+from convbert_ds.model.hf_io import WeightsError, check_recorded_sha256, read_weights
 from preprocessing.tokenizer import load_tokenizer
 _RTD = "discriminator_predictions."
 
 
 def _rtd_head(hf_dir: Path, hidden_size: int) -> dict[str, torch.Tensor]:
     if (hf_dir / RTD_HEAD_FILE).is_file():
+        check_recorded_sha256(hf_dir / RTD_HEAD_FILE)
         head = load_file(str(hf_dir / RTD_HEAD_FILE))
     else:
         head = {k: v for k, v in read_weights(hf_dir).items() if k.startswith(_RTD)}

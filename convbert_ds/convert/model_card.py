@@ -17,7 +17,7 @@ import yaml
 
 from convbert_ds.config import ConfigError, ElectraConfig, ModelConfig
 from convbert_ds.formats.train_config import TrainConfig
-from convbert_ds.formats.shard_manifest import file_sha256
+from convbert_ds.fsutil import file_sha256
 
 RTD_HEAD_FILE = "rtd_head.safetensors"
 PIPELINE_TAGS = {"discriminator": "feature-extraction", "generator": "fill-mask"}

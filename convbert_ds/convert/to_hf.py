@@ -5,6 +5,7 @@
     OUT/generator/       ConvBertForMaskedLM (LM head written explicitly, equal to the word embeddings),
                          tokenizer files, README.md
     OUT/README.md        the model card
+    */checksums.sha256   the sha256 of each file of that directory but README.md (``model.hf_io``)
 
 ``rtd_head.safetensors`` holds ELECTRA's replaced-token-detection head under ELECTRA's names
 (``discriminator_predictions.dense.{weight,bias}`` [H, H], ``discriminator_predictions.dense_prediction.
@@ -32,7 +33,7 @@ from convbert_ds.convert.reader import open_checkpoint, read_state_dict
 from convbert_ds.convert.verify import verify_output
 from convbert_ds.formats.init_dir import ConvertError
 from convbert_ds.fsutil import refuse_non_empty, write_dir_atomically
-from convbert_ds.model.hf_io import config_json
+from convbert_ds.model.hf_io import config_json, write_checksums
 from convbert_ds.model.tied import untie
 from preprocessing.tokenizer import TOKENIZER_FILES, tokenizer_sha256
 
@@ -116,6 +117,8 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
         root_tag = PIPELINE_TAGS["discriminator" if electra.objective == "electra" else "generator"]
         for target, tag in [(tmp, root_tag), *((tmp / name, PIPELINE_TAGS[name]) for name in dirs)]:
             (target / "README.md").write_text(model_card(electra, facts, dtype, report or None, tag))
+        for name in dirs:
+            write_checksums(tmp / name)
 
     write_dir_atomically(out, fill)
     return report or None

@@ -19,14 +19,13 @@ fields); both raise ``ShardManifestError`` naming the file, the field and the fi
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import numpy as np
 
 from convbert_ds.errors import UserError
-from convbert_ds.fsutil import read_json, write_json_atomically
+from convbert_ds.fsutil import file_sha256, read_json, write_json_atomically
 
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
@@ -48,14 +47,6 @@ class MissingShardFileError(ShardManifestError, FileNotFoundError):
 def shard_prefix(split: str, index: int) -> str:
     """A shard's prefix relative to the shard directory, as the manifest lists it."""
     return f"{split}/shard-{index:05d}"
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def split_entry(shards: list[dict]) -> dict:

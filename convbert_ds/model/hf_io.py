@@ -4,6 +4,13 @@ Our modules carry transformers' parameter names, so moving weights is a
 matter of prefixes: ``ConvBertForMaskedLM`` files prefix the body with
 ``convbert.``; a body can be loaded out of a masked-LM file (the head is then
 ignored). Every mismatch is reported by tensor name, with both shapes.
+
+Every model directory we write holds ``checksums.sha256`` (``CHECKSUM_FILE``), in ``sha256sum``'s format
+(one ``<64 hex digits>  <file name>`` line per file, so ``sha256sum -c checksums.sha256`` checks it too):
+the sha256 of each file but ``README.md`` (a model card people edit). Reading a file that it lists checks
+it, so a flipped byte that leaves the file parseable (inside a tensor, inside a vocabulary string) is
+one line naming the file, not a silently different model. Directories from elsewhere have none and are
+read as they are.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from convbert_ds.config import ConfigError, ModelConfig
 from convbert_ds.errors import UserError, first_line
-from convbert_ds.fsutil import read_json, write_dir_atomically
+from convbert_ds.fsutil import file_sha256, read_json, write_dir_atomically
 from convbert_ds.model.tied import fill_tied, untie
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -31,10 +38,42 @@ class WeightsError(UserError, ValueError):
     """A model directory or weights file that does not fit: missing files or tensors, unexpected ones, shapes."""
 
 
+CHECKSUM_FILE = "checksums.sha256"
+_UNCHECKED = ("README.md", CHECKSUM_FILE)
+
+
+def write_checksums(directory: Path) -> None:
+    """Record the sha256 of every file in ``directory`` but the model card (see the module docstring)."""
+    lines = [f"{file_sha256(path)}  {path.name}" for path in sorted(directory.iterdir())
+             if path.is_file() and path.name not in _UNCHECKED]
+    (directory / CHECKSUM_FILE).write_text("\n".join(lines) + "\n")
+
+
+def check_recorded_sha256(path: Path) -> None:
+    """``path`` still hashes to what its directory's ``CHECKSUM_FILE`` recorded, when there is one listing it."""
+    record = path.parent / CHECKSUM_FILE
+    if not record.is_file():
+        return
+    recorded = {}
+    for number, line in enumerate(record.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        digest, _, name = line.partition("  ")
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest) or not (path.parent / name).is_file():
+            raise WeightsError(f"{record}: line {number} is not '<sha256>  <a file of this directory>': the "
+                               "record is damaged; copy or convert the model again")
+        recorded[name] = digest
+    if not recorded:
+        raise WeightsError(f"{record}: empty (it lists each file's sha256): the record is damaged; copy or "
+                           "convert the model again")
+    if path.name in recorded and file_sha256(path) != recorded[path.name]:
+        raise WeightsError(f"{path}: its bytes differ from the sha256 recorded in {CHECKSUM_FILE} when it was "
+                           "written (bit rot, an interrupted copy or an edit): copy or convert the model again")
+
+
 def read_config(directory, **overrides) -> ModelConfig:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise WeightsError(f"{path} not found: not a transformers model directory")
+    check_recorded_sha256(path)
     values = read_json(path, WeightsError, "restore the model directory's config.json")
     if not isinstance(values, dict):
         raise WeightsError(f"{path}: holds a {type(values).__name__}, not transformers' config mapping")
@@ -50,10 +89,14 @@ TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_toke
 
 def read_tokenizer(directory):
     """transformers' own ``AutoTokenizer`` of a model directory; a damaged tokenizer file is one line naming it
-    (a flipped byte inside a vocabulary string cannot be told from a real piece: no checksums there)."""
+    (a flipped byte inside a vocabulary string only where ``CHECKSUM_FILE`` lists the file)."""
     from transformers import AutoTokenizer  # seconds to import: only where a tokenizer is read
 
-    for path in (Path(directory) / name for name in TOKENIZER_JSON_FILES):
+    directory = Path(directory)
+    for path in sorted(directory.iterdir()):  # the tokenizer's files: all but the model's own
+        if path.is_file() and path.name not in (*WEIGHT_FILES, "config.json") and path.suffix != ".safetensors":
+            check_recorded_sha256(path)
+    for path in (directory / name for name in TOKENIZER_JSON_FILES):
         if path.is_file():
             read_json(path, WeightsError, "the file is damaged: copy or convert the model again")
     try:
@@ -68,6 +111,7 @@ def read_weights(directory) -> dict[str, torch.Tensor]:
     for name in WEIGHT_FILES:
         path = directory / name
         if path.is_file():
+            check_recorded_sha256(path)
             try:
                 if name.endswith(".safetensors"):
                     return load_file(path)
@@ -126,5 +170,6 @@ def save(model: torch.nn.Module, directory, architecture: str, extra_files: dict
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
+        write_checksums(tmp)
 
     return write_dir_atomically(directory, fill)

@@ -123,6 +123,12 @@ def test_checkpoint_converts_to_transformers_with_equal_outputs(kind, runs, conv
                                                                         head[p + "dense.bias"])),
                                          head[p + "dense_prediction.weight"], head[p + "dense_prediction.bias"])
         torch.testing.assert_close(rtd.squeeze(-1), ours.discriminator(ids, mask, types), atol=1e-5, rtol=0)
+    # Each model directory records its files' sha256 in sha256sum's own format, the model card aside.
+    for name in ("discriminator", "generator"):
+        listed = subprocess.run(["sha256sum", "-c", "checksums.sha256"], cwd=out / name, capture_output=True,
+                                text=True, check=True).stdout
+        assert {line.split(":")[0] for line in listed.splitlines()} == {
+            p.name for p in (out / name).iterdir() if p.name not in ("README.md", "checksums.sha256")}
     # The explicit LM head is the (shared) word-embedding table.
     gen = load_file(str(out / "generator" / "model.safetensors"))
     assert torch.equal(gen["generator_lm_head.weight"], gen["convbert.embeddings.word_embeddings.weight"])

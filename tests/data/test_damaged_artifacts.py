@@ -3,7 +3,8 @@ process group, not at the first evaluation hours later) and reported in one line
 
 Shard directories (train and valid splits: ``.bin``, ``.idx`` and the manifest, truncated, bit-flipped or
 emptied; bit rot that keeps size and mtime), tokenizer directories missing each file or with each file
-damaged, HF model directories with a wrong ``config.json``, damaged weights or tokenizer files, fine-tuning
+damaged, HF model directories with a wrong ``config.json``, damaged weights or tokenizer files (bytes flipped
+inside them where the directory has our sha256 record, ``checksums.sha256``, or that record damaged), fine-tuning
 task files, a checkpoint's damaged ``trainer_state.json``. The other damaged checkpoint files are
 ``tests/engine/test_checkpoint_integrity.py``'s; a damaged index cache is rebuilt (``test_data_cache.py``).
 """
@@ -23,7 +24,7 @@ from convbert_ds import train
 from convbert_ds.convert.__main__ import main as convert_main
 from convbert_ds.finetune.__main__ import main as finetune_main
 from convbert_ds.formats.shard_manifest import ShardManifestError
-from convbert_ds.model.hf_io import TOKENIZER_JSON_FILES
+from convbert_ds.model.hf_io import CHECKSUM_FILE, TOKENIZER_JSON_FILES, write_checksums
 from launch import TINY_CONFIG
 from preprocessing.errors import run_cli
 from preprocessing.shard import main as shard_main
@@ -179,8 +180,9 @@ def test_an_hf_dir_with_a_wrong_config_json_is_one_line(damage, message, hf_dir,
 
 @pytest.mark.parametrize("kind", ["truncated", "emptied", "header"])
 def test_an_hf_dir_with_damaged_weights_is_one_line(kind, hf_dir, tmp_path, capsys):
-    """A weights file cut short, emptied, or with a flipped byte in its header (one in the tensors' bytes
-    cannot be told from a trained value: transformers directories carry no checksums)."""
+    """A weights file cut short, emptied, or with a flipped byte in its header, in a directory from
+    elsewhere (no sha256 record: a flipped byte among the tensors' values is caught only where there is one,
+    as in every directory we write; see below)."""
     model = tmp_path / "model"
     shutil.copytree(hf_dir, model)
     weights = model / "model.safetensors"
@@ -196,21 +198,79 @@ def test_an_hf_dir_with_damaged_weights_is_one_line(kind, hf_dir, tmp_path, caps
     assert f"{weights}: unreadable" in err[0], err
 
 
-@pytest.mark.parametrize("kind", ["truncated", "emptied", "another format"])
-@pytest.mark.parametrize("file", TOKENIZER_JSON_FILES)
-def test_an_hf_dir_with_a_damaged_tokenizer_file_is_one_line(file, kind, hf_dir, tmp_path, capsys):
-    """The tokenizer files of a transformers directory, as the converter writes them (no digests: a flipped
-    byte inside a vocabulary string cannot be told from a real piece), read by fine-tuning."""
-    model = tmp_path / "model"
-    shutil.copytree(hf_dir, model, ignore=shutil.ignore_patterns("preprocessing_tokenizer.json"))
-    _damage(model / file, kind)
+def _finetune_error(model: Path, tmp_path, capsys) -> str:
+    """Fine-tune MODEL on a small good task: the one line it must stop with (exit 2)."""
     task = tmp_path / "task.csv"
     task.write_text("text,label\n" + "".join(f"example number {i},{i % 2}\n" for i in range(8)))
     code = finetune_main(["--model", str(model), "--out", str(tmp_path / "out"), "--train", str(task),
                           "--validation", str(task), "--text-column", "text", "--label-column", "label"])
     err = _err_lines(capsys)
     assert code == 2 and len(err) == 1, err
-    assert f"{model / file}: not valid JSON" in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize("kind", ["truncated", "emptied", "another format"])
+@pytest.mark.parametrize("file", TOKENIZER_JSON_FILES)
+def test_an_hf_dir_with_a_damaged_tokenizer_file_is_one_line(file, kind, hf_dir, tmp_path, capsys):
+    """The tokenizer files of a transformers directory without a sha256 record (one from elsewhere), read by
+    fine-tuning."""
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model, ignore=shutil.ignore_patterns("preprocessing_tokenizer.json"))
+    _damage(model / file, kind)
+    err = _finetune_error(model, tmp_path, capsys)
+    assert f"{model / file}: not valid JSON" in err, err
+
+
+@pytest.fixture(scope="module")
+def recorded_hf_dir(hf_dir, tmp_path_factory):
+    """``hf_dir`` with the sha256 record our writers leave in every model directory."""
+    out = tmp_path_factory.mktemp("recorded") / "model"
+    shutil.copytree(hf_dir, out, ignore=shutil.ignore_patterns("preprocessing_tokenizer.json"))
+    write_checksums(out)
+    return out
+
+
+def _flip_inside(path: Path, needle: bytes) -> None:
+    """One bit flipped inside the bytes after ``needle``: the file still parses, only its sha256 can tell."""
+    data = bytearray(path.read_bytes())
+    data[data.index(needle, len(data) // 2) + len(needle) + 1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_inside_recorded_weights_is_one_line(recorded_hf_dir, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(recorded_hf_dir, model)
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-64] ^= 0x01  # inside the last tensor's values: safetensors reads it as a number like any other
+    weights.write_bytes(bytes(data))
+    code = convert_main(["--from-hf", str(model), "--out", str(tmp_path / "init")])
+    err = _err_lines(capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"{weights}: its bytes differ from the sha256 recorded in {CHECKSUM_FILE}" in err[0], err
+
+
+@pytest.mark.parametrize("damage", ["vocabulary", "record emptied", "record truncated", "record renames a file"])
+def test_a_flipped_byte_inside_a_recorded_tokenizer_is_one_line(damage, recorded_hf_dir, tmp_path, capsys):
+    """Fine-tuning reads the directory's tokenizer: a vocabulary piece changed by one bit (valid JSON, a
+    plausible piece) is caught by the record, and a damaged record is itself one line."""
+    model = tmp_path / "model"
+    shutil.copytree(recorded_hf_dir, model)
+    record = model / CHECKSUM_FILE
+    if damage == "vocabulary":
+        _flip_inside(model / "tokenizer.json", b'"vocab"')
+        named = f"{model / 'tokenizer.json'}: its bytes differ from the sha256 recorded"
+    elif damage == "record emptied":
+        record.write_text("")
+        named = f"{record}: empty"
+    elif damage == "record truncated":
+        record.write_bytes(record.read_bytes()[:40])
+        named = f"{record}: line 1 is not"
+    else:
+        record.write_text(record.read_text().replace("tokenizer.json", "tokenizer.jsom"))
+        named = f"{record}: line"
+    err = _finetune_error(model, tmp_path, capsys)
+    assert named in err, err
 
 
 def _task_file(path: Path) -> None:

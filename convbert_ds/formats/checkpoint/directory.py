@@ -47,8 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from convbert_ds.errors import UserError
-from convbert_ds.formats.shard_manifest import file_sha256
-from convbert_ds.fsutil import read_json, write_text_atomically
+from convbert_ds.fsutil import file_sha256, read_json, write_text_atomically
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"

@@ -53,17 +53,22 @@ class PretrainRun:
     compile: bool
     compile_mode: str = "layers"  # train.compile_mode when compile is on: layers, or step (the whole step)
     seq: int | None = None  # None: the scale's; longer sequences get a smaller batch (same tokens per step)
+    ds_config: str = "zero1_bf16"  # ds_configs/NAME.json, precision overridden
 
     @property
     def compile_label(self) -> str:
         return "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
 
 
+AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
 # Base bf16 first: the headline MFU figure, eager and with the whole step compiled; then what each switch
 # changes, one at a time (the budget rarely reaches the last ones: the most telling come first).
 GPU_RUNS = [PretrainRun("base", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", True, "step"),
+            PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST),
+            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST),
             PretrainRun("small", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", False, seq=512),
-            PretrainRun("small", "bf16", "triton", True, "step"), PretrainRun("small", "bf16", "triton", False, seq=512),
+            PretrainRun("small", "bf16", "triton", True, "step"),
+            PretrainRun("small", "bf16", "triton", False, seq=512),
             PretrainRun("base", "bf16", "torch", False), PretrainRun("base", "bf16", "triton", True),
             PretrainRun("base", "fp16", "triton", False), PretrainRun("small", "bf16", "torch", False),
             PretrainRun("base", "fp16", "triton", True), PretrainRun("small", "fp16", "triton", False),
@@ -93,7 +98,7 @@ GPU = Scale(tests=("tests/kernels", "--ignore=tests/kernels/test_kernels_compile
                    "tests/model/test_packed_documents.py"),
             sdconv_args=(("--dtype", "bf16"), ("--dtype", "fp16")),
             train_step_args=("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision",
-                             "bf16"),
+                             "bf16", "--ds-config", AUTOCAST),
             runs=GPU_RUNS, batch=128, seq=128,
             steps=40, warmup_rows=2, vocab_size=30522)
 CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
@@ -155,17 +160,17 @@ class Acceptance:
 
     def pretrain(self) -> str:
         shards = self._shards()
-        rows = ["| preset | seq x batch | precision | SDConv | compile | samples/s | tokens/s | TFLOP/s | MFU | "
-                "first step (s) |", "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+        rows = ["| preset | seq x batch | DeepSpeed file | precision | SDConv | compile | samples/s | tokens/s | "
+                "TFLOP/s | MFU | first step (s) |", "|---|---|---|---|---|---|---:|---:|---:|---:|---:|"]
         for spec in self.scale.runs:
             figures = self._pretrain_one(spec, shards)
             seq, batch = self._shape(spec)
-            rows.append(f"| {spec.preset} | {seq} x {batch} | {spec.precision} | {spec.sdconv} | {spec.compile_label} | "
-                        + " | ".join(figures) + " |")
+            rows.append(f"| {spec.preset} | {seq} x {batch} | {spec.ds_config} | {spec.precision} | {spec.sdconv} | "
+                        f"{spec.compile_label} | " + " | ".join(figures) + " |")
         s = self.scale
-        return "\n".join([f"Global batch {s.batch} x seq {s.seq} (longer sequences: the same tokens per step), one process, {s.steps} steps, ZeRO-1 "
-                          f"(`ds_configs/zero1_bf16.json`, the trainer's lean default, precision overridden); "
-                          f"logged every {s.log_interval} steps, medians of the rows after the first "
+        return "\n".join([f"Global batch {s.batch} x seq {s.seq} (longer sequences: the same tokens per step), "
+                          f"one process, {s.steps} steps, the DeepSpeed file of each row (`ds_configs/NAME.json`, "
+                          f"precision overridden); logged every {s.log_interval} steps, medians of the rows after the first "
                           f"{s.warmup_rows}. Each run: `python -m "
                           f"convbert_ds.train --config configs/PRESET.yaml train.precision=P "
                           f"model.overrides.sdconv_impl=S train.compile=C train.compile_mode=M ...` (compile on: "
@@ -195,17 +200,19 @@ class Acceptance:
         config = REPO / "configs" / ("tiny_cpu.yaml" if spec.preset == "tiny" else f"{spec.preset}.yaml")
         return ["--config", str(config),
                 f"data.sets=[{{path: '{shards}', weight: 1.0}}]", f"data.seq_len={seq}",
-                "data.num_workers=2", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}", f"train.steps={steps}", "train.warmup_steps=1",
+                "data.num_workers=2", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
+                f"train.steps={steps}", "train.warmup_steps=1",
                 f"train.precision={spec.precision}", f"train.compile={str(spec.compile).lower()}",
                 f"train.compile_mode={spec.compile_mode}",
-                f"model.overrides.sdconv_impl={spec.sdconv}", "deepspeed.config=ds_configs/zero1_bf16.json",
+                f"model.overrides.sdconv_impl={spec.sdconv}", f"deepspeed.config=ds_configs/{spec.ds_config}.json",
                 f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
                 # Every 5 steps: a logging step reads its metrics back (a sync), the steps between do not.
                 f"log.dir={run_dir / 'logs'}", f"log.interval={self.scale.log_interval}", "eval.interval=0"]
 
     def _pretrain_one(self, spec: PretrainRun, shards: Path) -> list[str]:
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
-        name = f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{self._shape(spec)[0]}"
+        name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{self._shape(spec)[0]}_"
+                f"{spec.ds_config}")
         run_dir = self.work / name
         code, _, _ = self.run(name, [sys.executable, "-m", "convbert_ds.train",
                                   *self._train_args(spec, shards, run_dir, self.scale.steps)],
@@ -331,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             args.logs.mkdir(parents=True, exist_ok=True)
             for log in Path(tmp).glob("*.log"):
                 shutil.copy(log, args.logs / log.name)
-    command = " ".join(["python -m benchmarks.gpu_acceptance", *([] if on_gpu else ["--cpu-smoke", args.cpu_smoke.name]),
+    command = " ".join(["python -m benchmarks.gpu_acceptance",
+                        *([] if on_gpu else ["--cpu-smoke", args.cpu_smoke.name]),
                         *([] if args.parts == list(PARTS) else ["--parts", ",".join(args.parts)]),
                         *([] if args.budget == 540 else ["--budget", f"{args.budget:g}"])])
     date = datetime.date.today().isoformat()

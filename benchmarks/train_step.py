@@ -6,7 +6,8 @@ docstrings, tokenizer, shards, packing), steps alternating A B C A B C so machin
 
 * ``plain PyTorch``: our model in a plain loop, ``torch.optim.AdamW(fused=True)`` where the device has it;
 * ``DeepSpeed engine``: our model through ``deepspeed.initialize`` with the DeepSpeed config the trainer
-  builds (``engine.plan.build_ds_config`` over ``ds_configs/zero{N}_bf16.json``, precision overridden);
+  builds (``engine.plan.build_ds_config`` over ``ds_configs/NAME.json``, precision overridden) and stepped
+  as the trainer steps it (``clip_then_step``);
 * ``transformers ConvBERT``: transformers' own classes in the same plain loop (``benchmarks/hf_electra.py``),
   same sizes, same starting weights, same masks.
 
@@ -48,6 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 PLAIN, ENGINE, HF = "plain PyTorch", "DeepSpeed engine", "transformers ConvBERT"
 ROW_NAMES = {"plain": PLAIN, "engine": ENGINE, "transformers": HF}  # --rows
+# --ds-config: the files a plain (not pipelined) engine runs
+ENGINE_DS_CONFIGS = sorted(path.stem for path in (Path(__file__).resolve().parent.parent / "ds_configs").glob("*.json")
+                           if not path.stem.startswith("pipeline"))
 
 
 def build_shards(work: Path, vocab_size: int) -> Path:
@@ -67,9 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=bounded(int, min=1), default=16)
     parser.add_argument("--seq", type=bounded(int, min=8), default=128)
     parser.add_argument("--steps", type=bounded(int, min=1), default=20, help="timed steps per row, after 2 of warm-up")
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1,
-                        help="the engine's ds_configs/zero{N}_bf16.json, precision overridden (default 1: the "
-                             "trainer's default file; 0 with bf16 runs DeepSpeed's unfused optimizer)")
+    parser.add_argument("--ds-config", choices=ENGINE_DS_CONFIGS, default="zero1_bf16",
+                        help="the engine's ds_configs/NAME.json, precision overridden (default zero1_bf16: the "
+                             "paper configs' file; zero0_autocast_bf16: fp32 weights, bf16 autocast, the trainer's "
+                             "fused clipping; zero0_bf16 in bf16 runs DeepSpeed's unfused optimizer)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--vocab-size", type=bounded(int, min=1), default=30522, help="tokenizer built for the run (not with --shards)")
     parser.add_argument("--shards", type=Path, default=None,
@@ -97,23 +102,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.rows) - set(ROW_NAMES))
     if unknown or not args.rows:
         parser.error(f"--rows {','.join(args.rows)}: unknown {unknown}; choose among {', '.join(ROW_NAMES)}")
-    if args.compile_step and args.zero_stage == 3:
-        parser.error("--compile-step with --zero-stage 3: ZeRO-3 gathers parameters in hooks inside the forward, "
-                     "which split the graph; use --zero-stage 0-2 or --compile")
+    if args.compile_step and args.ds_config.startswith("zero3"):
+        parser.error(f"--compile-step with --ds-config {args.ds_config}: ZeRO-3 gathers parameters in hooks inside "
+                     "the forward, which split the graph; use a ZeRO-0/1/2 file or --compile")
     return args
 
 
 def trainer_ds_config(args: argparse.Namespace, steps: int):
-    """The engine's DeepSpeed dict, built as the trainer builds it (``build_ds_config``), and the training
-    section whose optimiser settings the plain loops copy."""
-    from convbert_ds.engine.plan import build_ds_config, load_ds_config
+    """The engine's DeepSpeed dict, built as the trainer builds it (``build_ds_config``), the norm the
+    trainer clips to itself (0: DeepSpeed clips) and the training section whose optimiser settings the plain
+    loops copy."""
+    from convbert_ds.engine.plan import build_ds_config, load_ds_config, trainer_clip_norm
     from convbert_ds.formats.train_config import TrainConfig
 
     cfg = TrainConfig.from_dict({
         "train": {"global_batch_size": args.batch, "micro_batch_size": args.batch, "steps": steps,
                   "warmup_steps": 1, "precision": args.precision},
-        "deepspeed": {"config": f"ds_configs/zero{args.zero_stage}_bf16.json"}})
-    return build_ds_config(cfg, load_ds_config(cfg), args.batch, 1, args.precision), cfg.train
+        "deepspeed": {"config": f"ds_configs/{args.ds_config}.json"}})
+    ds = build_ds_config(cfg, load_ds_config(cfg), args.batch, 1, args.precision)
+    return ds, trainer_clip_norm(cfg, ds), cfg.train
 
 
 def electra_config(preset: str, split):
@@ -175,14 +182,20 @@ def plain_row(name: str, model: torch.nn.Module, loss_of: Callable, optimizer: t
     return Row(name, forward_backward, optimizer_step)
 
 
-def engine_row(engine, cuda_graphs: bool) -> Row:
+def engine_row(engine, trainer_clip: float, cuda_graphs: bool) -> Row:
+    """The trainer's step: its own fused clipping where DeepSpeed's is off (``trainer_clip`` > 0), then
+    ``engine.step()``."""
+    from convbert_ds.engine.trainer import clip_then_step, skip_lone_allreduce
+
+    skip_lone_allreduce(engine, engine.zero_optimization_stage(), 1)  # one rank, as the trainer does
+
     def forward_backward(batch: dict) -> torch.Tensor:
         begin_step(cuda_graphs)
         out = engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], check=False)
         engine.backward(out.loss)
         return out.loss.detach()
 
-    return Row(ENGINE, forward_backward, engine.step)
+    return Row(ENGINE, forward_backward, lambda: clip_then_step(engine, trainer_clip, None))
 
 
 def our_loss(model, batch: dict) -> torch.Tensor:
@@ -343,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shards = args.shards or build_shards(Path(tmp), args.vocab_size)
         config = electra_config(args.preset, open_split(shards, "train"))
-        ds_config, train = trainer_ds_config(args, steps=args.steps + warmup + 10)
+        ds_config, trainer_clip, train = trainer_ds_config(args, steps=args.steps + warmup + 10)
         torch.manual_seed(0)
         plain = ElectraForPretraining(config)
         torch.manual_seed(0)
@@ -366,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         hf_opt, _ = adamw(param_groups(hf, train.weight_decay), train)
         graphs = args.compile_step and cuda  # compiled with mode="reduce-overhead": replayed as CUDA graphs
         rows = [plain_row(PLAIN, plain, our_loss, plain_opt, autocast, train.grad_clip, graphs),
-                engine_row(engine, graphs), plain_row(HF, hf, hf_loss, hf_opt, autocast, train.grad_clip, graphs)]
+                engine_row(engine, trainer_clip, graphs),
+                plain_row(HF, hf, hf_loss, hf_opt, autocast, train.grad_clip, graphs)]
         rows = [row for row in rows if row.name in wanted]  # compiled lazily: a row never run never compiles
         loader = iter(build_dataloader([{"path": shards}], "train", seq_len=args.seq, micro_batch_size=args.batch,
                                        progress=False))
@@ -388,10 +402,11 @@ def main(argv: list[str] | None = None) -> None:
     mode = "step (transformers row: torch.compile)" if args.compile_step else \
         "layers (all rows)" if args.compile else "off"
     print(f"device={device_name} preset={args.preset} batch={args.batch} seq={args.seq} precision={args.precision} "
-          f"zero={args.zero_stage} steps={0 if args.counts_only else args.steps} threads={torch.get_num_threads()} "
+          f"ds_config={args.ds_config} steps={0 if args.counts_only else args.steps} threads={torch.get_num_threads()} "
           f"compile={mode}")
     print(f"optimizers: plain loops torch AdamW (fused={fused}); engine {type(engine.optimizer).__name__} "
-          f"(ds_configs/zero{args.zero_stage}_bf16.json through build_ds_config)")
+          f"(ds_configs/{args.ds_config}.json through build_ds_config; clipped by "
+          f"{'the trainer, one fused norm' if trainer_clip else 'DeepSpeed'})")
     for line in host_sync_warnings(ds_config):  # what the trainer warns about at start-up, here too
         print(f"warning: {line}")
     if not args.counts_only:

@@ -77,7 +77,11 @@ class RunPlan:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.world_size, self.zero_stage, self.cfg.pipeline.stages, self.precision)
+        return Layout(self.world_size, self.zero_stage, self.cfg.pipeline.stages, weights_precision(self.ds_config))
+
+    @property
+    def trainer_clip_norm(self) -> float:
+        return trainer_clip_norm(self.cfg, self.ds_config)
 
 
 def load_ds_config(cfg: TrainConfig) -> dict:
@@ -106,14 +110,44 @@ def load_ds_config(cfg: TrainConfig) -> dict:
 
 
 def precision_of(cfg: TrainConfig, ds_config: dict) -> str:
-    return cfg.train.precision if cfg.train.precision is not None else \
-        next((name for name in ("bf16", "fp16") if ds_config.get(name, {}).get("enabled")), "fp32")
+    """The precision the model computes in: train.precision, else the DeepSpeed file's (``bf16``, ``fp16``
+    or ``torch_autocast``'s dtype)."""
+    if cfg.train.precision is not None:
+        return cfg.train.precision
+    if autocast_enabled(ds_config):
+        return _AUTOCAST_DTYPES.get(str(ds_config["torch_autocast"].get("dtype", "bf16")), "bf16")
+    return next((name for name in ("bf16", "fp16") if ds_config.get(name, {}).get("enabled")), "fp32")
 
 
-def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_accum: int, precision: str) -> dict:
+# DeepSpeed's spellings of the autocast dtypes (its DtypeEnum) -> ours.
+_AUTOCAST_DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+                    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
+
+
+def trainer_clip_norm(cfg: TrainConfig, ds_config: dict) -> float:
+    """The norm the trainer clips the gradients to itself, in one fused call, where ``build_ds_config``
+    turned DeepSpeed's per-tensor clipping off; 0 where DeepSpeed clips (or nothing is clipped)."""
+    return cfg.train.grad_clip if ds_config.get("gradient_clipping") == 0 else 0.0
+
+
+def autocast_enabled(ds_config: dict) -> bool:
+    """Mixed precision the torch way (``torch_autocast``): fp32 weights, gradients and optimizer; the
+    forward's matrix work in bf16/fp16 under ``torch.autocast``."""
+    return bool((ds_config.get("torch_autocast") or {}).get("enabled"))
+
+
+def weights_precision(ds_config: dict) -> str:
+    """What the weights are stored in, which decides the layout of DeepSpeed's files: bf16/fp16 with
+    DeepSpeed's own mixed precision (fp32 masters beside them), fp32 otherwise (autocast included)."""
+    return next((name for name in ("bf16", "fp16") if ds_config.get(name, {}).get("enabled")), "fp32")
+
+
+def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_accum: int, precision: str,
+                    *, pipelined: bool = False) -> dict:
     """The training config's batch, optimiser, schedule and precision written into the DeepSpeed file's."""
     t = cfg.train
     ds = dict(base)
+    autocast = autocast_enabled(ds)
     ds.update(train_batch_size=t.global_batch_size, train_micro_batch_size_per_gpu=micro_batch_size,
               gradient_accumulation_steps=grad_accum, gradient_clipping=t.grad_clip, steps_per_print=10**9)
     ds["optimizer"] = {"type": "AdamW", "params": {
@@ -128,9 +162,18 @@ def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_ac
     # The trainer logs its own throughput; DeepSpeed's timer (on unless a file says otherwise) syncs twice a step.
     ds["timers"] = {**ds.get("timers", {})}
     ds["timers"]["throughput"] = {"enabled": False, **ds["timers"].get("throughput", {})}
-    ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision == "bf16"}
-    ds["fp16"] = {**ds.get("fp16", {}), "enabled": precision == "fp16"}
-    if precision == "fp16":
+    if autocast:  # train.precision picks autocast's dtype; fp32 turns it off
+        ds["torch_autocast"] = {**ds["torch_autocast"], "enabled": precision != "fp32",
+                                "dtype": "bf16" if precision == "fp32" else precision}
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision == "bf16" and not autocast}
+    ds["fp16"] = {**ds.get("fp16", {}), "enabled": precision == "fp16" and not autocast}
+    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
+    if stage == 0 and not pipelined and weights_precision(ds) == "fp32" and precision != "fp16":
+        # fp32 weights with whole gradients in .grad (no ZeRO partitions, no fp16 loss scale): the trainer
+        # clips with one fused norm over all of them (trainer_clip_norm) where DeepSpeed would take one
+        # norm per parameter tensor, a few hundred launches a step.
+        ds["gradient_clipping"] = 0.0
+    if precision == "fp16" and not autocast:
         ds["fp16"].setdefault("loss_scale", 0)  # dynamic loss scaling
         ds["fp16"].setdefault("initial_scale_power", 16)
     return ds
@@ -146,7 +189,8 @@ def host_sync_warnings(ds: dict) -> list[str]:
         if (ds.get(name) or {}).get("enabled") and stage == 0:
             lines.append(f"{name} with zero_optimization.stage=0 runs DeepSpeed's unfused optimizer (an fp32 copy, "
                          "overflow test and host sync per parameter tensor every step); use stage 1 "
-                         f"(ds_configs/zero1_{name}.json) or fp32")
+                         f"(ds_configs/zero1_{name}.json), torch autocast (ds_configs/zero0_autocast_bf16.json) "
+                         "or fp32")
     if bf16 and stage in (1, 2) and (ds.get("bf16") or {}).get("check_grad_overflow", True):
         lines.append(f"bf16.check_grad_overflow is true (DeepSpeed's default) at ZeRO-{stage}: an inf/NaN test per "
                      "gradient tensor and a host sync every step; set it to false (the trainer's non-finite-loss "
@@ -368,7 +412,8 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
         raise ConfigError("fp16 needs a GPU (DeepSpeed refuses fp16 on CPU); use train.precision=bf16 or fp32")
     _check_tracking(cfg)
     _check_profile(cfg, cuda)
-    ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision)
+    ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision,
+                                pipelined=cfg.pipeline.stages > 1)
     if cfg.pipeline.stages > 1:
         check_pipeline_ds_config(ds_config)
     _check_compile(cfg, ds_config)

@@ -47,6 +47,24 @@ class TrainingError(RuntimeError):
 Preemption = StepGuard
 
 
+def clip_then_step(engine, max_norm: float, last_norm: torch.Tensor | None) -> torch.Tensor | None:
+    """``engine.step()`` (after every micro-batch: DeepSpeed steps at the accumulation boundary), first
+    clipping the whole gradient with one fused norm when ``max_norm`` > 0 (``plan.trainer_clip_norm``).
+    Returns that norm, a device tensor read only on logging steps; ``last_norm`` between boundaries."""
+    if max_norm > 0 and engine.is_gradient_accumulation_boundary():
+        last_norm = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), max_norm)  # foreach where it can
+    engine.step()
+    return last_norm
+
+
+def skip_lone_allreduce(engine, zero_stage: int, data_parallel_size: int) -> None:
+    """One data-parallel rank at ZeRO-0: DeepSpeed's gradient all-reduce would still flatten the gradients,
+    reduce them over that one rank and copy them back, one copy per parameter tensor, to the values they
+    had; it is turned off. (ZeRO-1/2 move the gradients into their partitions there: kept.)"""
+    if zero_stage == 0 and data_parallel_size == 1:
+        engine.enable_backward_allreduce = False
+
+
 def format_line(step: int, steps: int, m: dict) -> str:
     parts = [f"step {step}/{steps}"]
     for key, label, fmt in (("loss", "loss", ".4f"), ("mlm_loss", "gen", ".4f"), ("rtd_loss", "disc", ".4f"),
@@ -116,6 +134,7 @@ class Trainer:
             self.dp_size = self.engine.grid.get_data_parallel_world_size()
         else:
             self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+            skip_lone_allreduce(self.engine, self.plan.zero_stage, self.dp_size)
         self.is_logger = dist.get_rank() == 0
         data = cfg.data  # data.sets is not read again: self.sets is what the plan parsed and checked
         loader = partial(build_dataloader, self.sets, seq_len=data.seq_len, micro_batch_size=self.plan.micro_batch_size,
@@ -132,6 +151,7 @@ class Trainer:
             self.valid_loader = loader("valid", max_samples=cfg.eval.samples)
         self.ckpt_dir = Path(cfg.checkpoint.dir)
         self.step, self.nonfinite_total = 0, 0
+        self.grad_norm = None  # the last clipped norm, when the trainer clips (a device tensor until logged)
         self.phase = dict(FIRST_PHASE)  # which phase this run is, and what the earlier ones saw
         self._resume()
         if self.step == 0:  # a resumed run has its RNG states back from the checkpoint
@@ -260,7 +280,7 @@ class Trainer:
                     for key, value in out.metric_tensors().items():
                         sums[key] = sums[key] + value if key in sums else value
                     count += 1
-            self.engine.step()
+            self.grad_norm = clip_then_step(self.engine, self.plan.trainer_clip_norm, self.grad_norm)
         if not sums:
             return {}
         values = (torch.stack(list(sums.values())) / count).tolist()  # the step's one read of its metrics
@@ -319,7 +339,10 @@ class Trainer:
             "samples_seen": self.phase["samples_before"] + self.train_loader.consumed_samples,
             "tokens_seen": self.phase["tokens_before"] + self.train_loader.consumed_samples * self.cfg.data.seq_len,
             "phase": self.phase,
-            "config": self.cfg.to_dict(), "electra_config": self.electra.to_dict(), "precision": self.precision,
+            "config": self.cfg.to_dict(), "electra_config": self.electra.to_dict(),
+            # precision: what the weights are stored in (it decides the files' layout); compute_precision: what
+            # the model ran in (they differ under torch autocast: fp32 weights, bf16 compute)
+            "precision": self.plan.layout.precision, "compute_precision": self.precision,
             "pipeline_stages": self.cfg.pipeline.stages, "world_size": dist.get_world_size(),
             "zero_stage": self.plan.zero_stage,
             "tokenizer": self.plan.tokenizer, "data_sets": [{"path": str(p), "weight": w} for p, w in self.sets],
@@ -416,7 +439,7 @@ class Trainer:
         t = self.cfg.train
         samples_per_s = t.global_batch_size / step_seconds
         tflops = self.flops_per_sample * samples_per_s / dist.get_world_size() / 1e12
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.grad_norm if self.plan.trainer_clip_norm else self.engine.get_global_grad_norm()
         metrics = {**metrics, "lr": self.engine.get_lr()[0],
                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
                    "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self.cfg.data.seq_len,

@@ -38,15 +38,18 @@ def test_every_part_runs_on_cpu(tmp_path):
     assert "Parts that failed: none." in text and "torch 2." in text, text
     assert "passed" in text.split("#### Kernel, fallback and parity tests")[1].split("####")[0]
     assert "torch reference vs transformers" in text
-    rows = [line for line in text.splitlines() if line.startswith("| tiny | fp32 | torch |")]
-    assert [row.split("|")[4].strip() for row in rows] == ["off", "on"], text
+    rows = [line for line in text.splitlines() if line.startswith("| tiny | 64 x 4 | zero1_bf16 | fp32 | torch |")]
+    assert [row.split("|")[6].strip() for row in rows] == ["off", "on"], text
     for row in rows:  # samples/s and tokens/s read from the trainer's own metrics.jsonl
-        samples, tokens = (float(cell.replace(",", "")) for cell in row.split("|")[5:7])
+        samples, tokens = (float(cell.replace(",", "")) for cell in row.split("|")[7:9])
         assert samples > 0 and tokens == pytest.approx(samples * 64, rel=0.01)
     assert "2 processes on one device (gloo): 5 steps of tiny ran and saved." in text
-    # A second run appends its own section under the one heading.
-    assert _acceptance("--cpu-smoke", str(out), "--budget", "1").returncode == 1
+    # A second run appends its own section under the one heading; --parts runs those parts, in that order.
+    assert _acceptance("--cpu-smoke", str(out), "--budget", "1", "--parts", "nccl,tests").returncode == 1
     again = out.read_text()
     assert again.count("## GPU acceptance") == 1
     assert sum(line.startswith("### ") for line in again.splitlines()) == 2
-    assert "no time left" in again
+    second = again.split("\n### ")[-1]
+    assert "--parts nccl,tests --budget 1" in second and "no time left" in second
+    assert [line for line in second.splitlines() if line.startswith("#### ")] == [
+        "#### Two processes on one GPU", "#### Kernel, fallback and parity tests"]

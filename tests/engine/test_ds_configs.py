@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+import torch
 from deepspeed.runtime.config import DeepSpeedConfig
 
 from convbert_ds.config import ConfigError
@@ -39,8 +40,14 @@ def test_file_parses_in_deepspeed_as_its_name_says(path):
 
     stage = 1 if path.stem.startswith("pipeline") else int(path.stem[len("zero")])
     assert parsed.zero_optimization_stage == stage
+    autocast = "autocast" in path.stem  # fp32 weights and optimizer, the forward in bf16 under torch.autocast
+    assert parsed.torch_autocast_enabled == autocast
+    if autocast:
+        assert parsed.torch_autocast_dtype == torch.bfloat16
     enabled = parsed.float16_config.enabled, parsed.bfloat16_config.enabled
-    assert enabled == (precision == "fp16", precision == "bf16")
+    assert enabled == (precision == "fp16" and not autocast, precision == "bf16" and not autocast)
+    # ZeRO-0 with fp32 weights: the trainer clips in one fused call and DeepSpeed not at all.
+    assert parsed.gradient_clipping == (0 if stage == 0 and not any(enabled) else cfg.train.grad_clip)
     assert parsed.train_batch_size == cfg.train.global_batch_size
     assert parsed.gradient_accumulation_steps == grad_accum
     if precision == "fp16":
@@ -54,7 +61,7 @@ def test_file_parses_in_deepspeed_as_its_name_says(path):
     if precision == "bf16" and stage in (1, 2):
         assert parsed.bfloat16_config.check_grad_overflow is False
     warnings = host_sync_warnings(build_ds_config(cfg, base, cfg.train.micro_batch_size, grad_accum, precision))
-    if stage == 0 and precision != "fp32":
+    if stage == 0 and any(enabled):
         assert len(warnings) == 1 and warnings[0].startswith(f"{precision} with zero_optimization.stage=0")
     else:
         assert warnings == []

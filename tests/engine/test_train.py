@@ -25,10 +25,11 @@ def _falls(rows, key="loss", window=3, margin=1.0) -> bool:
 
 
 # Every bf16 file trains; each precision runs with a partitioned optimizer (ZeRO-1/3 bf16, ZeRO-2 fp32) and
-# without (ZeRO-0 both): the combinations that take different optimizer code paths, not all ten.
+# without (ZeRO-0 both), and torch autocast over fp32 weights (ZeRO-0, the trainer clipping): the
+# combinations that take different optimizer code paths, not all eleven.
 @pytest.mark.parametrize(("ds_config", "precision"), [
     ("zero0_bf16", "fp32"), ("zero0_bf16", "bf16"), ("zero1_bf16", "bf16"), ("zero2_bf16", "fp32"),
-    ("zero3_bf16", "bf16"), ("zero3_offload_bf16", "bf16")])
+    ("zero3_bf16", "bf16"), ("zero3_offload_bf16", "bf16"), ("zero0_autocast_bf16", "bf16")])
 def test_zero_stages_train_with_falling_loss(ds_config, precision, tiny_corpus, tmp_path):
     shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     output = check(run_training(tmp_path, tiny_corpus["shards"], f"deepspeed.config=ds_configs/{ds_config}.json",
@@ -38,6 +39,7 @@ def test_zero_stages_train_with_falling_loss(ds_config, precision, tiny_corpus, 
     rows = train_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 17))
     assert _falls(rows), [round(r["loss"], 3) for r in rows]
+    assert all(r["grad_norm"] > 0 for r in rows)  # clipped by DeepSpeed, or by the trainer at ZeRO-0 in fp32
     assert (tmp_path / "checkpoints" / "step00000016" / "COMPLETE").is_file()
     # DeepSpeed's CPU all-reduce buffers (67 MB of RAM per rank) are unlinked, not left in /dev/shm.
     assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
@@ -155,6 +157,8 @@ def test_torchrun_launches_the_same_trainer(tiny_corpus, tmp_path):
     (["train.compile=true", "train.compile_mode=step", "deepspeed.config=ds_configs/zero3_bf16.json"],
      "train.compile_mode=step with zero_optimization.stage=3"),
     (["train.compile_mode=graph"], "train.compile_mode='graph'"),
+    (["pipeline.stages=2", "deepspeed.config=ds_configs/zero0_autocast_bf16.json", "train.precision=bf16"],
+     "torch_autocast.enabled=true with pipeline parallelism: not supported"),
     (["data.seed=-1"], "data.seed=-1: must be >= 0"),
     (["eval.downstream.glue_task=sst-2"], "eval.downstream.glue_task='sst-2': use one of [None, 'cola'"),
     (["eval.downstream.task_type=regresion"], "eval.downstream.task_type='regresion': use one of"),

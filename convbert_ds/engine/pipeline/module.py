@@ -173,6 +173,10 @@ def check_pipeline_ds_config(ds_config: dict) -> None:
     if stage >= 2:
         raise ConfigError(f"zero_optimization.stage={stage} cannot be combined with pipeline parallelism; "
                           "use stage 0 or 1")
+    if (ds_config.get("torch_autocast") or {}).get("enabled"):
+        raise ConfigError("torch_autocast.enabled=true with pipeline parallelism: not supported (the pipeline's "
+                          "checkpoints and clipping are built for DeepSpeed's bf16); use "
+                          "ds_configs/pipeline_zero1_bf16.json")
     if (ds_config.get("bf16") or {}).get("enabled") and stage != 1:
         raise ConfigError(f"bf16.enabled=true with zero_optimization.stage={stage}: DeepSpeed's pipeline engine "
                           "cannot reload such checkpoints; set zero_optimization.stage=1")

@@ -4,16 +4,18 @@
     python -m benchmarks.gpu_acceptance                     # one CUDA GPU: run it all, append to RESULTS.md
     python -m benchmarks.gpu_acceptance --cpu-smoke OUT.md  # every part at toy sizes on CPU, written to OUT.md
 
-Parts, in order, each under its own time limit and all under one overall budget, so one that hangs or
-fails still leaves the others' figures:
+Parts, in this order unless ``--parts`` picks and orders them, each under its own time limit and all
+under one overall budget, so one that hangs or fails still leaves the others' figures:
 
 1. ``tests``: the Triton kernel tests, the auto-fallback tests and the transformers-parity tests on CUDA.
 2. ``sdconv``: ``benchmarks/sdconv.py`` in bf16 and fp16 (batch 32-256 x seq 128/512, ConvBERT-base
    shapes, K = 9): fused kernels vs transformers' unfold path, bandwidth vs a copy, peak memory.
 3. ``train_step``: ``benchmarks/train_step.py`` at base bf16: our model in a plain loop vs through the
-   DeepSpeed engine vs transformers' ConvBERT, step times, their ratios, and ops / syncs per step.
-4. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128, small and
-   base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step; samples/s,
+   DeepSpeed engine (``zero0_autocast_bf16``) vs transformers' ConvBERT, step times, their ratios, and ops /
+   syncs per step.
+4. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128 and 512, small and
+   base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step, ZeRO-1 bf16 vs
+   ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``); samples/s,
    tokens/s and MFU are the medians of the trainer's own ``metrics.jsonl`` after warm-up (the most
    telling runs first).
 5. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.

@@ -25,11 +25,12 @@ def _falls(rows, key="loss", window=3, margin=1.0) -> bool:
 
 
 # Every bf16 file trains; each precision runs with a partitioned optimizer (ZeRO-1/3 bf16, ZeRO-2 fp32) and
-# without (ZeRO-0 both), and torch autocast over fp32 weights (ZeRO-0, the trainer clipping): the
-# combinations that take different optimizer code paths, not all eleven.
+# without (ZeRO-0: DeepSpeed's bf16 optimizer, and torch's AdamW over fp32 weights with the trainer clipping,
+# under autocast; fp32 compute at ZeRO-0 trains in test_elastic.py): the combinations that take different
+# optimizer code paths, not all eleven.
 @pytest.mark.parametrize(("ds_config", "precision"), [
-    ("zero0_bf16", "fp32"), ("zero0_bf16", "bf16"), ("zero1_bf16", "bf16"), ("zero2_bf16", "fp32"),
-    ("zero3_bf16", "bf16"), ("zero3_offload_bf16", "bf16"), ("zero0_autocast_bf16", "bf16")])
+    ("zero0_autocast_bf16", "bf16"), ("zero0_bf16", "bf16"), ("zero1_bf16", "bf16"), ("zero2_bf16", "fp32"),
+    ("zero3_bf16", "bf16"), ("zero3_offload_bf16", "bf16")])
 def test_zero_stages_train_with_falling_loss(ds_config, precision, tiny_corpus, tmp_path):
     shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     output = check(run_training(tmp_path, tiny_corpus["shards"], f"deepspeed.config=ds_configs/{ds_config}.json",

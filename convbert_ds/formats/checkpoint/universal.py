@@ -57,7 +57,7 @@ class Layout:
     world_size: int
     zero_stage: int
     pipeline_stages: int
-    precision: str
+    precision: str  # what the weights are stored in: fp32 under torch autocast, whatever the compute runs in
 
     @classmethod
     def of_checkpoint(cls, state: dict) -> Layout:

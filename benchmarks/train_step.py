@@ -15,7 +15,8 @@ Prints median step time, samples/s, TFLOP/s and MFU per row (FLOPs of the model,
 the ratios of the medians, then the ops (about one kernel launch each) and host-device syncs of one more
 step per row, forward+backward and optimizer step apart (``convbert_ds.model.op_count``). With
 ``--precision bf16`` each loop runs its usual recipe: DeepSpeed's (bf16 weights, fp32 master copy in the
-optimizer) against the plain loops' ``torch.autocast`` over fp32 weights. Batches are checked on the host
+optimizer; with ``--ds-config zero0_autocast_bf16``, the plain loops' own) against the plain loops'
+``torch.autocast`` over fp32 weights. Batches are checked on the host
 (``check_inputs``) and our model is called with ``check=False``, as the trainer does.
 
     python benchmarks/train_step.py [--preset small] [--batch 16] [--seq 128] [--steps 20] [--threads 1]

@@ -238,9 +238,10 @@ class Acceptance:
         return [median("samples_per_s", ",.0f"), median("tokens_per_s", ",.0f"), median("tflops", ".1f"),
                 median("mfu", ".1%"), f"{first:.1f}"]
 
-    def nccl(self, on_gpu: bool) -> str:
+    def nccl(self) -> str:
         from convbert_ds.engine.distributed import free_port
 
+        on_gpu = self.scale is GPU
         spec = CPU_SMOKE_RUNS[0] if not on_gpu else PretrainRun("small", "bf16", "triton", False)
         run_dir = self.work / "nccl"
         command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
@@ -260,7 +261,7 @@ class Acceptance:
         return "Failed: " + _fenced(output.strip().splitlines()[-15:])
 
 
-# Each part's section title, in the default order.
+# Each part (an ``Acceptance`` method of that name) and its section title, in the default order.
 PARTS = {"tests": "Kernel, fallback and parity tests", "sdconv": "SDConv kernel",
          "train_step": "Training step: plain PyTorch vs DeepSpeed engine vs transformers' ConvBERT",
          "pretrain": "One-GPU ELECTRA pretraining throughput (the trainer's own log)",
@@ -333,9 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu_acceptance_") as tmp:
         acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget)
-        parts = {"tests": acceptance.tests, "sdconv": acceptance.sdconv, "train_step": acceptance.train_step,
-                 "pretrain": acceptance.pretrain, "nccl": lambda: acceptance.nccl(on_gpu)}
-        body = [(PARTS[name], parts[name]()) for name in args.parts]
+        body = [(PARTS[name], getattr(acceptance, name)()) for name in args.parts]
         if args.logs is not None:
             args.logs.mkdir(parents=True, exist_ok=True)
             for log in Path(tmp).glob("*.log"):

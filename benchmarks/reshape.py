@@ -59,8 +59,6 @@ def _env() -> dict:
 # 1. The checkpoint ------------------------------------------------------------------------------------
 def write_rank(checkpoint_dir: Path, preset_name: str) -> None:
     """One rank of the 2-rank ZeRO-2 save, after one optimizer step (run under torchrun)."""
-    from types import SimpleNamespace
-
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -69,6 +67,7 @@ def write_rank(checkpoint_dir: Path, preset_name: str) -> None:
     from convbert_ds.engine import checkpoint
     from convbert_ds.engine.distributed import init_process_group
     from convbert_ds.engine.plan import build_ds_config
+    from convbert_ds.formats.train_config import TrainConfig
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.optim import param_groups
 
@@ -77,10 +76,12 @@ def write_rank(checkpoint_dir: Path, preset_name: str) -> None:
     electra = ElectraConfig.from_preset(preset_name, vocab_size=VOCAB)
     model = ElectraForPretraining(electra)
     world = dist.get_world_size()
-    train = SimpleNamespace(global_batch_size=world, micro_batch_size=1, grad_clip=1.0, lr=1e-4, adam_beta1=0.9,
-                            adam_beta2=0.999, adam_eps=1e-6, weight_decay=0.01, warmup_steps=10, steps=100)
+    cfg = TrainConfig.from_dict({"train": dict(global_batch_size=world, micro_batch_size=1, grad_clip=1.0, lr=1e-4,
+                                               adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-6, weight_decay=0.01,
+                                               warmup_steps=10, steps=100)})
+    train = cfg.train
     base = json.loads((REPO / "ds_configs" / "zero2_bf16.json").read_text())
-    ds_config = build_ds_config(SimpleNamespace(train=train), base, train.micro_batch_size, 1, "fp32")
+    ds_config = build_ds_config(cfg, base, train.micro_batch_size, 1, "fp32")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train.weight_decay),
                                       config=ds_config)
     generator = torch.Generator().manual_seed(1 + dist.get_rank())

@@ -39,8 +39,7 @@ from pathlib import Path
 
 from convbert_ds.cli import ArgumentParser, bounded
 from convbert_ds.errors import first_line
-from convbert_ds.fsutil import file_sha256
-from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty, write_dir_atomically
+from convbert_ds.fsutil import FORCE_FLAG, file_sha256, refuse_non_empty, write_dir_atomically
 from preprocessing.documents import MAX_LINE_CHARS, iter_documents
 from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.sources import resolve_inputs

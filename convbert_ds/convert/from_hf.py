@@ -28,7 +28,7 @@ _RTD = "discriminator_predictions."
 
 def _rtd_head(hf_dir: Path, hidden_size: int) -> dict[str, torch.Tensor]:
     if (hf_dir / RTD_HEAD_FILE).is_file():
-        check_recorded_sha256(hf_dir / RTD_HEAD_FILE)
+        check_recorded_sha256(hf_dir, [RTD_HEAD_FILE])
         head = load_file(str(hf_dir / RTD_HEAD_FILE))
     else:
         head = {k: v for k, v in read_weights(hf_dir).items() if k.startswith(_RTD)}

@@ -115,8 +115,12 @@ def precision_of(cfg: TrainConfig, ds_config: dict) -> str:
     if cfg.train.precision is not None:
         return cfg.train.precision
     if autocast_enabled(ds_config):
-        return _AUTOCAST_DTYPES.get(str(ds_config["torch_autocast"].get("dtype", "bf16")), "bf16")
-    return next((name for name in ("bf16", "fp16") if ds_config.get(name, {}).get("enabled")), "fp32")
+        dtype = str(ds_config["torch_autocast"].get("dtype", "bf16"))
+        if dtype not in _AUTOCAST_DTYPES:
+            raise ConfigError(f"deepspeed.config: torch_autocast.dtype={dtype!r}; use bf16 or fp16 (or set "
+                              "torch_autocast.enabled=false)")
+        return _AUTOCAST_DTYPES[dtype]
+    return weights_precision(ds_config)
 
 
 # DeepSpeed's spellings of the autocast dtypes (its DtypeEnum) -> ours.
@@ -142,8 +146,7 @@ def weights_precision(ds_config: dict) -> str:
     return next((name for name in ("bf16", "fp16") if ds_config.get(name, {}).get("enabled")), "fp32")
 
 
-def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_accum: int, precision: str,
-                    *, pipelined: bool = False) -> dict:
+def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_accum: int, precision: str) -> dict:
     """The training config's batch, optimiser, schedule and precision written into the DeepSpeed file's."""
     t = cfg.train
     ds = dict(base)
@@ -168,7 +171,7 @@ def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_ac
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision == "bf16" and not autocast}
     ds["fp16"] = {**ds.get("fp16", {}), "enabled": precision == "fp16" and not autocast}
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
-    if stage == 0 and not pipelined and weights_precision(ds) == "fp32" and precision != "fp16":
+    if stage == 0 and cfg.pipeline.stages == 1 and weights_precision(ds) == "fp32" and precision != "fp16":
         # fp32 weights with whole gradients in .grad (no ZeRO partitions, no fp16 loss scale): the trainer
         # clips with one fused norm over all of them (trainer_clip_norm) where DeepSpeed would take one
         # norm per parameter tensor, a few hundred launches a step.
@@ -412,8 +415,7 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
         raise ConfigError("fp16 needs a GPU (DeepSpeed refuses fp16 on CPU); use train.precision=bf16 or fp32")
     _check_tracking(cfg)
     _check_profile(cfg, cuda)
-    ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision,
-                                pipelined=cfg.pipeline.stages > 1)
+    ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision)
     if cfg.pipeline.stages > 1:
         check_pipeline_ds_config(ds_config)
     _check_compile(cfg, ds_config)

@@ -340,9 +340,9 @@ class Trainer:
             "tokens_seen": self.phase["tokens_before"] + self.train_loader.consumed_samples * self.cfg.data.seq_len,
             "phase": self.phase,
             "config": self.cfg.to_dict(), "electra_config": self.electra.to_dict(),
-            # precision: what the weights are stored in (it decides the files' layout); compute_precision: what
-            # the model ran in (they differ under torch autocast: fp32 weights, bf16 compute)
-            "precision": self.plan.layout.precision, "compute_precision": self.precision,
+            # What the weights are stored in, which decides the files' layout (fp32 under torch autocast, whose
+            # compute precision the saved config and DeepSpeed file give).
+            "precision": self.plan.layout.precision,
             "pipeline_stages": self.cfg.pipeline.stages, "world_size": dist.get_world_size(),
             "zero_stage": self.plan.zero_stage,
             "tokenizer": self.plan.tokenizer, "data_sets": [{"path": str(p), "weight": w} for p, w in self.sets],

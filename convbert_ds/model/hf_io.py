@@ -49,31 +49,34 @@ def write_checksums(directory: Path) -> None:
     (directory / CHECKSUM_FILE).write_text("\n".join(lines) + "\n")
 
 
-def check_recorded_sha256(path: Path) -> None:
-    """``path`` still hashes to what its directory's ``CHECKSUM_FILE`` recorded, when there is one listing it."""
-    record = path.parent / CHECKSUM_FILE
+def check_recorded_sha256(directory: Path, names) -> None:
+    """Each of ``names`` that ``directory``'s ``CHECKSUM_FILE`` lists still hashes to what it recorded (nothing
+    to check where there is no record)."""
+    record = directory / CHECKSUM_FILE
     if not record.is_file():
         return
     recorded = {}
     for number, line in enumerate(record.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         digest, _, name = line.partition("  ")
-        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest) or not (path.parent / name).is_file():
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest) or not (directory / name).is_file():
             raise WeightsError(f"{record}: line {number} is not '<sha256>  <a file of this directory>': the "
                                "record is damaged; copy or convert the model again")
         recorded[name] = digest
     if not recorded:
         raise WeightsError(f"{record}: empty (it lists each file's sha256): the record is damaged; copy or "
                            "convert the model again")
-    if path.name in recorded and file_sha256(path) != recorded[path.name]:
-        raise WeightsError(f"{path}: its bytes differ from the sha256 recorded in {CHECKSUM_FILE} when it was "
-                           "written (bit rot, an interrupted copy or an edit): copy or convert the model again")
+    for name in names:
+        if name in recorded and file_sha256(directory / name) != recorded[name]:
+            raise WeightsError(f"{directory / name}: its bytes differ from the sha256 recorded in {CHECKSUM_FILE} "
+                               "when it was written (bit rot, an interrupted copy or an edit): copy or convert the "
+                               "model again")
 
 
 def read_config(directory, **overrides) -> ModelConfig:
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise WeightsError(f"{path} not found: not a transformers model directory")
-    check_recorded_sha256(path)
+    check_recorded_sha256(path.parent, [path.name])
     values = read_json(path, WeightsError, "restore the model directory's config.json")
     if not isinstance(values, dict):
         raise WeightsError(f"{path}: holds a {type(values).__name__}, not transformers' config mapping")
@@ -93,9 +96,9 @@ def read_tokenizer(directory):
     from transformers import AutoTokenizer  # seconds to import: only where a tokenizer is read
 
     directory = Path(directory)
-    for path in sorted(directory.iterdir()):  # the tokenizer's files: all but the model's own
-        if path.is_file() and path.name not in (*WEIGHT_FILES, "config.json") and path.suffix != ".safetensors":
-            check_recorded_sha256(path)
+    model_files = (*WEIGHT_FILES, "config.json")  # the rest of the directory is the tokenizer's
+    check_recorded_sha256(directory, [path.name for path in directory.iterdir() if path.is_file()
+                                      and path.name not in model_files and path.suffix != ".safetensors"])
     for path in (directory / name for name in TOKENIZER_JSON_FILES):
         if path.is_file():
             read_json(path, WeightsError, "the file is damaged: copy or convert the model again")
@@ -111,7 +114,7 @@ def read_weights(directory) -> dict[str, torch.Tensor]:
     for name in WEIGHT_FILES:
         path = directory / name
         if path.is_file():
-            check_recorded_sha256(path)
+            check_recorded_sha256(directory, [name])
             try:
                 if name.endswith(".safetensors"):
                     return load_file(path)

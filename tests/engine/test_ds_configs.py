@@ -89,3 +89,10 @@ def test_a_key_the_trainer_owns_is_refused_by_name(extra, message, tmp_path):
     path.write_text(json.dumps({"zero_optimization": {"stage": 1}, **extra}))
     with pytest.raises(ConfigError, match=re.escape(f"{path}: ") + ".*" + re.escape(message)):
         load_ds_config(load_config(TINY_CONFIG, [f"deepspeed.config={path}"]))
+
+
+def test_an_autocast_dtype_that_is_not_bf16_or_fp16_is_refused_by_name():
+    cfg = load_config(TINY_CONFIG, ["deepspeed.config={torch_autocast: {enabled: true, dtype: fp32}}",
+                                    "train.precision=null"])
+    with pytest.raises(ConfigError, match=re.escape("torch_autocast.dtype='fp32'; use bf16 or fp16")):
+        precision_of(cfg, load_ds_config(cfg))

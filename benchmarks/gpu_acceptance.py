@@ -7,18 +7,21 @@
 Parts, in this order unless ``--parts`` picks and orders them, each under its own time limit and all
 under one overall budget, so one that hangs or fails still leaves the others' figures:
 
-1. ``tests``: the Triton kernel tests, the auto-fallback tests and the transformers-parity tests on CUDA.
-2. ``sdconv``: ``benchmarks/sdconv.py`` in bf16 and fp16 (batch 32-256 x seq 128/512, ConvBERT-base
+1. ``cuda_graphs``: whether the compiled step is captured as CUDA graphs
+   (``tests/engine/test_cuda_graphs.py``, inductor's graph partitioning on and off).
+2. ``tests``: the Triton kernel tests, the auto-fallback tests and the transformers-parity tests on CUDA.
+3. ``sdconv``: ``benchmarks/sdconv.py`` in bf16 and fp16 (batch 32-256 x seq 128/512, ConvBERT-base
    shapes, K = 9): fused kernels vs transformers' unfold path, bandwidth vs a copy, peak memory.
-3. ``train_step``: ``benchmarks/train_step.py`` at base bf16: our model in a plain loop vs through the
+4. ``train_step``: ``benchmarks/train_step.py`` at base bf16: our model in a plain loop vs through the
    DeepSpeed engine (``zero0_autocast_bf16``) vs transformers' ConvBERT, step times, their ratios, and ops /
    syncs per step.
-4. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128 and 512, small and
+5. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128 and 512, small and
    base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step, ZeRO-1 bf16 vs
-   ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``); samples/s,
-   tokens/s and MFU are the medians of the trainer's own ``metrics.jsonl`` after warm-up (the most
-   telling runs first).
-5. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
+   ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and
+   without inductor's graph partitioning; samples/s, tokens/s and MFU are the medians of the trainer's own
+   ``metrics.jsonl`` after warm-up, with the CUDA graphs the compiled step recorded (the most telling runs
+   first).
+6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0, leaving RESULTS.md untouched.
 Exit code: 0 when every part that ran passed, 1 otherwise (the figures are written either way).
@@ -56,18 +59,23 @@ class PretrainRun:
     compile_mode: str = "layers"  # train.compile_mode when compile is on: layers, or step (the whole step)
     seq: int | None = None  # None: the scale's; longer sequences get a smaller batch (same tokens per step)
     ds_config: str = "zero1_bf16"  # ds_configs/NAME.json, precision overridden
+    graph_partition: bool = True  # False: TORCHINDUCTOR_GRAPH_PARTITION=0 (inductor then reports CUDA-graph skips)
 
     @property
     def compile_label(self) -> str:
-        return "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
+        label = "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
+        return label if self.graph_partition else f"{label}, no partition"
 
 
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
-# Base bf16 first: the headline MFU figure, eager and with the whole step compiled; then what each switch
-# changes, one at a time (the budget rarely reaches the last ones: the most telling come first).
-GPU_RUNS = [PretrainRun("base", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", True, "step"),
-            PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST),
+# Base bf16 first: the headline MFU figure, through the lean autocast file, eager and with the whole step
+# compiled (with inductor's graph partitioning, its default, and without: on the H200 the compiled step
+# captured no CUDA graph); then ZeRO-1 bf16 on the same machine, then what each other switch changes, one at
+# a time (the budget rarely reaches the last ones: the most telling come first).
+GPU_RUNS = [PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST),
+            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False),
+            PretrainRun("base", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", True, "step"),
             PretrainRun("small", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", False, seq=512),
             PretrainRun("small", "bf16", "triton", True, "step"),
             PretrainRun("small", "bf16", "triton", False, seq=512),
@@ -118,16 +126,17 @@ class Acceptance:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "HF_DATASETS_OFFLINE": "1"}
 
-    def run(self, name: str, command: list[str], limit_s: float) -> tuple[int, str, str]:
-        """Run one command under min(limit, what is left of the budget): exit code, stdout, stdout + stderr
-        (the last is logged)."""
+    def run(self, name: str, command: list[str], limit_s: float, env: dict | None = None) -> tuple[int, str, str]:
+        """Run one command under min(limit, what is left of the budget), with ``env`` added to the
+        environment: exit code, stdout, stdout + stderr (the last is logged)."""
         limit = min(limit_s, self.deadline - time.monotonic())
         if limit < 5:
             self.failed.append(f"{name} (no time left)")
             return -1, "", f"skipped: the overall budget was spent before {name}"
         print(f"=== {name}: {' '.join(command)}", flush=True)
         try:
-            done = subprocess.run(command, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=limit)
+            done = subprocess.run(command, cwd=REPO, env={**self.env, **(env or {})}, capture_output=True,
+                                  text=True, timeout=limit)
             code, stdout, output = done.returncode, done.stdout, done.stdout + done.stderr
         except subprocess.TimeoutExpired as expired:
             code, stdout = 124, _text(expired.stdout)
@@ -137,6 +146,15 @@ class Acceptance:
         if code != 0:
             self.failed.append(name)
         return code, stdout, output
+
+    def cuda_graphs(self) -> str:
+        """Whether the compiled step is captured as CUDA graphs, with inductor's graph partitioning on and
+        off (``tests/engine/test_cuda_graphs.py``): one line per case, a failure's with its message."""
+        _, _, output = self.run("cuda_graphs", [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                                             "tests/engine/test_cuda_graphs.py"], limit_s=240)
+        lines = output.strip().splitlines()
+        verdicts = [line for line in lines if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
+        return _fenced(verdicts + lines[-1:] or ["(no output)"])
 
     def tests(self) -> str:
         _, _, output = self.run("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -163,7 +181,8 @@ class Acceptance:
     def pretrain(self) -> str:
         shards = self._shards()
         rows = ["| preset | seq x batch | DeepSpeed file | precision | SDConv | compile | samples/s | tokens/s | "
-                "TFLOP/s | MFU | first step (s) |", "|---|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+                "TFLOP/s | MFU | first step (s) | CUDA graphs |",
+                "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
         for spec in self.scale.runs:
             figures = self._pretrain_one(spec, shards)
             seq, batch = self._shape(spec)
@@ -176,7 +195,10 @@ class Acceptance:
                           f"{s.warmup_rows}. Each run: `python -m "
                           f"convbert_ds.train --config configs/PRESET.yaml train.precision=P "
                           f"model.overrides.sdconv_impl=S train.compile=C train.compile_mode=M ...` (compile on: "
-                          f"M=layers, step: M=step; the full line is in the log).", "", *rows])
+                          f"M=layers, step: M=step; the full line is in the log). CUDA graphs: those the "
+                          f"compiled step had recorded at the last log (`cuda_graphs` in metrics.jsonl; 2 or "
+                          f"more when captured, 0 when it runs kernel by kernel); no partition: "
+                          f"`TORCHINDUCTOR_GRAPH_PARTITION=0`.", "", *rows])
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
@@ -214,11 +236,12 @@ class Acceptance:
     def _pretrain_one(self, spec: PretrainRun, shards: Path) -> list[str]:
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{self._shape(spec)[0]}_"
-                f"{spec.ds_config}")
+                f"{spec.ds_config}{'' if spec.graph_partition else '_no_partition'}")
         run_dir = self.work / name
         code, _, _ = self.run(name, [sys.executable, "-m", "convbert_ds.train",
                                   *self._train_args(spec, shards, run_dir, self.scale.steps)],
-                              limit_s=200 if spec.compile else 120)  # compiling base took ~150 s on an H100
+                              limit_s=200 if spec.compile else 120,  # compiling base took ~150 s on an H100
+                              env=None if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"})
         try:
             rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
         except OSError:
@@ -228,15 +251,16 @@ class Acceptance:
         rows = [row for row in rows if row.get("split") == "train"]
         steady = rows[self.scale.warmup_rows:]
         if code != 0 or not steady:
-            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 4
+            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 5
         first = self._shape(spec)[1] / rows[0]["samples_per_s"]
 
         def median(key: str, fmt: str) -> str:
             values = [row[key] for row in steady if row.get(key) is not None]
             return format(statistics.median(values), fmt) if values else "n/a"
 
+        graphs = rows[-1].get("cuda_graphs")
         return [median("samples_per_s", ",.0f"), median("tokens_per_s", ",.0f"), median("tflops", ".1f"),
-                median("mfu", ".1%"), f"{first:.1f}"]
+                median("mfu", ".1%"), f"{first:.1f}", "-" if graphs is None else str(graphs)]
 
     def nccl(self) -> str:
         from convbert_ds.engine.distributed import free_port
@@ -262,7 +286,7 @@ class Acceptance:
 
 
 # Each part (an ``Acceptance`` method of that name) and its section title, in the default order.
-PARTS = {"tests": "Kernel, fallback and parity tests", "sdconv": "SDConv kernel",
+PARTS = {"cuda_graphs": "CUDA graphs of the compiled step", "tests": "Kernel, fallback and parity tests", "sdconv": "SDConv kernel",
          "train_step": "Training step: plain PyTorch vs DeepSpeed engine vs transformers' ConvBERT",
          "pretrain": "One-GPU ELECTRA pretraining throughput (the trainer's own log)",
          "nccl": "Two processes on one GPU"}

@@ -3,6 +3,7 @@ checkpoints (saved every ``checkpoint.interval`` steps and on SIGUSR1/SIGTERM) a
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 from functools import partial
@@ -30,7 +31,8 @@ from convbert_ds.formats.init_dir import load_init_weights
 from convbert_ds.formats.train_config import DownstreamSection
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.convbert import check_inputs
-from convbert_ds.model.layers import compile_layers, compile_step, compiled_graph_count
+from convbert_ds.model.layers import (compile_layers, compile_step, compiled_graph_count, cuda_graphs_recorded,
+                                      cudagraph_skips)
 from convbert_ds.model.sdconv import probe_sdconv
 from convbert_ds.model.optim import param_groups
 
@@ -97,6 +99,7 @@ class Trainer:
         model = self._build_uncompiled_model()
         self.cuda_graphs = (self.cfg.train.compile and self.cfg.train.compile_mode == "step"
                             and torch.cuda.is_available())
+        self.cuda_graphs_checked = False  # once, after warm-up: were they captured? (_check_cuda_graphs)
         if self.cfg.train.compile and torch.cuda.is_available():
             # sdconv_impl=auto decides per layout by running the kernels once: eagerly, before tracing.
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
@@ -139,7 +142,10 @@ class Trainer:
         data = cfg.data  # data.sets is not read again: self.sets is what the plan parsed and checked
         loader = partial(build_dataloader, self.sets, seq_len=data.seq_len, micro_batch_size=self.plan.micro_batch_size,
                          seed=data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, cache_dir=data.cache_dir,
-                         progress=self.is_logger, size_exponent=data.size_exponent, pack_documents=data.pack_documents)
+                         progress=self.is_logger, size_exponent=data.size_exponent, pack_documents=data.pack_documents,
+                         # Pinned batches copy to the GPU asynchronously (_to_device's non_blocking); a copy
+                         # from pageable memory is staged by the driver, which may first wait for the stream.
+                         pin_memory=self.device.type == "cuda")
         self.train_loader = loader("train", num_workers=data.num_workers)
         if self.is_logger:
             run_samples = cfg.train.steps * cfg.train.global_batch_size
@@ -447,12 +453,27 @@ class Trainer:
                    "nonfinite_total": self.nonfinite_total,
                    "consumed_samples": self.train_loader.consumed_samples,
                    # Constant after warm-up; growing means something recompiles every step.
-                   "compiled_graphs": compiled_graph_count() if t.compile else None}
+                   "compiled_graphs": compiled_graph_count() if t.compile else None,
+                   # forward, backward and evaluation graphs (more when inductor partitions one); 0: none
+                   "cuda_graphs": cuda_graphs_recorded() if self.cuda_graphs else None}
+        self._check_cuda_graphs(metrics["cuda_graphs"])
         if self.is_logger:
             print(f"{self.progress.prefix()} {format_line(self.step, t.steps, metrics)} | "
                   f"{self.progress.suffix(self.step)}", flush=True)
         self.progress.record_step(metrics)
         self.log.write(self.step, {k: v for k, v in metrics.items() if v is not None})
+
+    def _check_cuda_graphs(self, recorded: int | None) -> None:
+        """Say so, once, when the compiled step asked for CUDA graphs and none was captured by the third
+        step (the trees record on a function's second call): the run goes on, kernel by kernel."""
+        if recorded is None or self.cuda_graphs_checked or self.step < 3:
+            return
+        self.cuda_graphs_checked = True
+        if recorded == 0 and self.is_logger:
+            print(f"warning: train.compile_mode=step: no CUDA graph was captured by step {self.step} (inductor "
+                  f"reported {cudagraph_skips()} skip(s)); the compiled step launches its kernels one by one. "
+                  "TORCH_LOGS=cudagraphs prints the reasons inductor gives; with TORCHINDUCTOR_GRAPH_PARTITION=0 "
+                  "it also gives the reasons graph partitioning keeps to itself", file=sys.stderr, flush=True)
 
     def _log_eval(self) -> None:
         metrics = self.evaluate()

@@ -310,3 +310,26 @@ def compiled_graph_count() -> int:
     """Graphs torch.compile has built in this process so far (constant once a run has warmed up)."""
     from torch._dynamo.utils import counters  # private but stable since 2.0; the only count torch keeps
     return int(counters["stats"]["unique_graphs"])
+
+
+def cuda_graphs_recorded() -> int:
+    """CUDA graphs that ``compile_step``'s ``reduce-overhead`` mode has recorded so far on the current CUDA
+    device (0 without CUDA). A compiled step records one for its forward and one for its backward on its
+    second call; still 0 after that means the compiled step launches its kernels one by one. Inductor can
+    decide so without a word: with graph partitioning (its default) a graph it will not
+    capture is neither logged nor counted as a skip (``cudagraph_skips`` below counts the other cases)."""
+    if not torch.cuda.is_available():
+        return 0
+    from torch._inductor import cudagraph_trees  # private; the trees are the only record of what was captured
+
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    if manager is None:
+        return 0
+    return sum(1 + node.num_descendants() for nodes in manager.roots.values() for node in nodes)
+
+
+def cudagraph_skips() -> int:
+    """Graphs inductor declined to capture and said so (``TORCH_LOGS=cudagraphs`` prints each reason)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])

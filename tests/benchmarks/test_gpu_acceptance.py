@@ -38,11 +38,14 @@ def test_every_part_runs_on_cpu(tmp_path):
     assert "Parts that failed: none." in text and "torch 2." in text, text
     assert "passed" in text.split("#### Kernel, fallback and parity tests")[1].split("####")[0]
     assert "torch reference vs transformers" in text
+    # Without CUDA the CUDA-graph test is skipped, saying why, and no run claims a captured graph.
+    assert "CUDA graphs need a CUDA GPU" in text.split("#### CUDA graphs of the compiled step")[1].split("####")[0]
     rows = [line for line in text.splitlines() if line.startswith("| tiny | 64 x 4 | zero1_bf16 | fp32 | torch |")]
     assert [row.split("|")[6].strip() for row in rows] == ["off", "on"], text
     for row in rows:  # samples/s and tokens/s read from the trainer's own metrics.jsonl
         samples, tokens = (float(cell.replace(",", "")) for cell in row.split("|")[7:9])
         assert samples > 0 and tokens == pytest.approx(samples * 64, rel=0.01)
+        assert row.split("|")[12].strip() == "-", row
     assert "2 processes on one device (gloo): 5 steps of tiny ran and saved." in text
     # A second run appends its own section under the one heading; --parts runs those parts, in that order.
     assert _acceptance("--cpu-smoke", str(out), "--budget", "1", "--parts", "nccl,tests").returncode == 1

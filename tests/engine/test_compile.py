@@ -57,6 +57,7 @@ def test_compiled_training_follows_eager(runs, layout, mode):
         for key in ("loss", "mlm_loss", "rtd_loss", "grad_norm"):
             assert _close(a[key], b[key]), (layout, a["step"], key, a[key], b[key])
     assert "compiled_graphs" not in eager[0]
+    assert "cuda_graphs" not in compiled[0]  # logged where CUDA graphs are asked for: on GPUs, with ``step``
 
 
 @pytest.mark.parametrize("layout,mode", COMPILED)

@@ -196,8 +196,8 @@ class Acceptance:
                           f"convbert_ds.train --config configs/PRESET.yaml train.precision=P "
                           f"model.overrides.sdconv_impl=S train.compile=C train.compile_mode=M ...` (compile on: "
                           f"M=layers, step: M=step; the full line is in the log). CUDA graphs: those the "
-                          f"compiled step had recorded at the last log (`cuda_graphs` in metrics.jsonl; 2 or "
-                          f"more when captured, 0 when it runs kernel by kernel); no partition: "
+                          f"compiled step had recorded after warm-up (`cuda_graphs` in metrics.jsonl; 2 or "
+                          f"more when captured, 0 when it runs kernel by kernel, A -> B when it re-records); no partition: "
                           f"`TORCHINDUCTOR_GRAPH_PARTITION=0`.", "", *rows])
 
     def _shards(self) -> Path:
@@ -258,9 +258,12 @@ class Acceptance:
             values = [row[key] for row in steady if row.get(key) is not None]
             return format(statistics.median(values), fmt) if values else "n/a"
 
-        graphs = rows[-1].get("cuda_graphs")
+        # Constant once warmed up; growing means the CUDA-graph trees re-record (shown as first -> last).
+        graphs = [row["cuda_graphs"] for row in steady if row.get("cuda_graphs") is not None]
+        graphs_cell = ("-" if not graphs else str(graphs[0]) if graphs[0] == graphs[-1]
+                       else f"{graphs[0]} -> {graphs[-1]}")
         return [median("samples_per_s", ",.0f"), median("tokens_per_s", ",.0f"), median("tflops", ".1f"),
-                median("mfu", ".1%"), f"{first:.1f}", "-" if graphs is None else str(graphs)]
+                median("mfu", ".1%"), f"{first:.1f}", graphs_cell]
 
     def nccl(self) -> str:
         from convbert_ds.engine.distributed import free_port

@@ -316,8 +316,8 @@ def cuda_graphs_recorded() -> int:
     """CUDA graphs that ``compile_step``'s ``reduce-overhead`` mode has recorded so far on the current CUDA
     device (0 without CUDA). A compiled step records one for its forward and one for its backward on its
     second call; still 0 after that means the compiled step launches its kernels one by one. Inductor can
-    decide so without a word: with graph partitioning (its default) a graph it will not
-    capture is neither logged nor counted as a skip (``cudagraph_skips`` below counts the other cases)."""
+    decide so without a word: with graph partitioning (its default) a graph it will not capture is neither
+    logged nor counted as a skip (``cudagraph_skips`` below counts the other cases)."""
     if not torch.cuda.is_available():
         return 0
     from torch._inductor import cudagraph_trees  # private; the trees are the only record of what was captured

@@ -287,8 +287,9 @@ def compile_layers(model: nn.Module) -> int:
 def compile_step(model: nn.Module, cuda: bool) -> None:
     """Put the whole forward of ``model`` (the ELECTRA step: masking, both bodies, sampling, losses) through
     ``torch.compile`` as one graph, in place: ``fullgraph=True``, so a graph break is an error, not a silent
-    return of the host to the loop; its backward is compiled with it (AOTAutograd). On CUDA the graphs are
-    replayed as CUDA graphs (``mode="reduce-overhead"``): one launch instead of thousands. The step may
+    return of the host to the loop; its backward is compiled with it (AOTAutograd). On CUDA it asks for CUDA
+    graphs (``mode="reduce-overhead"``): one launch instead of thousands, where inductor captures them
+    (``cuda_graphs_recorded`` says whether it did). The step may
     take this shape because nothing in it reads the device (static masking, no ``.item()``, inputs checked
     on the host) and batches have one shape. Call it with ``check=False``."""
     _eager_random_stream()

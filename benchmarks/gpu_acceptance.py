@@ -8,7 +8,8 @@ Parts, in this order unless ``--parts`` picks and orders them, each under its ow
 under one overall budget, so one that hangs or fails still leaves the others' figures:
 
 1. ``cuda_graphs``: whether the compiled step is captured as CUDA graphs
-   (``tests/engine/test_cuda_graphs.py``, inductor's graph partitioning on and off).
+   (``tests/engine/test_cuda_graphs.py``, inductor's graph partitioning on and off), and whether the eager
+   step can be captured by hand.
 2. ``tests``: the Triton kernel tests, the auto-fallback tests and the transformers-parity tests on CUDA.
 3. ``sdconv``: ``benchmarks/sdconv.py`` in bf16 and fp16 (batch 32-256 x seq 128/512, ConvBERT-base
    shapes, K = 9): fused kernels vs transformers' unfold path, bandwidth vs a copy, peak memory.

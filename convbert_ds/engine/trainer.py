@@ -99,7 +99,6 @@ class Trainer:
         model = self._build_uncompiled_model()
         self.cuda_graphs = (self.cfg.train.compile and self.cfg.train.compile_mode == "step"
                             and torch.cuda.is_available())
-        self.cuda_graphs_checked = False  # once, after warm-up: were they captured? (_check_cuda_graphs)
         if self.cfg.train.compile and torch.cuda.is_available():
             # sdconv_impl=auto decides per layout by running the kernels once: eagerly, before tracing.
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
@@ -378,6 +377,8 @@ class Trainer:
         self.guard = guard
         guard.start(self.device, t.nonfinite_check_interval, t.max_nonfinite_in_a_row,
                     skips_nonfinite=self.precision == "fp16")
+        # Counted from this process's first step, not the run's: a resumed run compiles and records anew.
+        self.cuda_graphs_check_at = self.step + 3 if self.cuda_graphs else None
         batches = iter(self.train_loader)
         saved_at, checked_at = self.step, self.step
         # Throughput is measured between logging steps, whose metric read waits for the device: between
@@ -464,11 +465,12 @@ class Trainer:
         self.log.write(self.step, {k: v for k, v in metrics.items() if v is not None})
 
     def _check_cuda_graphs(self, recorded: int | None) -> None:
-        """Say so, once, when the compiled step asked for CUDA graphs and none was captured by the third
-        step (the trees record on a function's second call): the run goes on, kernel by kernel."""
-        if recorded is None or self.cuda_graphs_checked or self.step < 3:
+        """Say so, once, when the compiled step asked for CUDA graphs and none was captured by this
+        process's third step (the trees record on a function's second call): the run goes on, kernel by
+        kernel."""
+        if recorded is None or self.cuda_graphs_check_at is None or self.step < self.cuda_graphs_check_at:
             return
-        self.cuda_graphs_checked = True
+        self.cuda_graphs_check_at = None
         if recorded == 0 and self.is_logger:
             print(f"warning: train.compile_mode=step: no CUDA graph was captured by step {self.step} (inductor "
                   f"reported {cudagraph_skips()} skip(s)); the compiled step launches its kernels one by one. "

@@ -44,7 +44,8 @@ def test_every_part_runs_on_cpu(tmp_path):
     assert [row.split("|")[6].strip() for row in rows] == ["off", "on"], text
     for row in rows:  # samples/s and tokens/s read from the trainer's own metrics.jsonl
         samples, tokens = (float(cell.replace(",", "")) for cell in row.split("|")[7:9])
-        assert samples > 0 and tokens == pytest.approx(samples * 64, rel=0.01)
+        # The table rounds samples/s to a whole number (toy runs: about 35) and tokens/s too: 64 x half a sample.
+        assert samples > 0 and abs(tokens - samples * 64) <= 0.5 * 64 + 0.5, row
         assert row.split("|")[12].strip() == "-", row
     assert "2 processes on one device (gloo): 5 steps of tiny ran and saved." in text
     # A second run appends its own section under the one heading; --parts runs those parts, in that order.

@@ -7,19 +7,19 @@
 Parts, in this order unless ``--parts`` picks and orders them, each under its own time limit and all
 under one overall budget, so one that hangs or fails still leaves the others' figures:
 
-1. ``cuda_graphs``: whether the compiled step is captured as CUDA graphs
-   (``tests/engine/test_cuda_graphs.py``, inductor's graph partitioning on and off), and whether the eager
-   step can be captured by hand.
+1. ``cuda_graphs``: whether inductor captures the compiled step as CUDA graphs
+   (``tests/engine/test_cuda_graphs.py``, inductor's graph partitioning on and off), and whether the step
+   captured by hand (``train.cuda_graphs: capture``) trains, eager and compiled, and follows the eager step.
 2. ``tests``: the Triton kernel tests, the auto-fallback tests and the transformers-parity tests on CUDA.
 3. ``sdconv``: ``benchmarks/sdconv.py`` in bf16 and fp16 (batch 32-256 x seq 128/512, ConvBERT-base
    shapes, K = 9): fused kernels vs transformers' unfold path, bandwidth vs a copy, peak memory.
 4. ``train_step``: ``benchmarks/train_step.py`` at base bf16: our model in a plain loop vs through the
    DeepSpeed engine (``zero0_autocast_bf16``) vs transformers' ConvBERT, step times, their ratios, and ops /
-   syncs per step.
+   syncs per step; then our two loops with the step captured as CUDA graphs (``--capture``).
 5. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128 and 512, small and
    base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step, ZeRO-1 bf16 vs
    ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and
-   without inductor's graph partitioning; samples/s, tokens/s and MFU are the medians of the trainer's own
+   without inductor's graph partitioning, the step captured by hand; samples/s, tokens/s and MFU are the medians of the trainer's own
    ``metrics.jsonl`` after warm-up, with the CUDA graphs the compiled step recorded (the most telling runs
    first).
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
@@ -61,20 +61,27 @@ class PretrainRun:
     seq: int | None = None  # None: the scale's; longer sequences get a smaller batch (same tokens per step)
     ds_config: str = "zero1_bf16"  # ds_configs/NAME.json, precision overridden
     graph_partition: bool = True  # False: TORCHINDUCTOR_GRAPH_PARTITION=0 (inductor then reports CUDA-graph skips)
+    cuda_graphs: str = "inductor"  # train.cuda_graphs: inductor, capture (by hand) or off
 
     @property
     def compile_label(self) -> str:
         label = "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
-        return label if self.graph_partition else f"{label}, no partition"
+        label = label if self.graph_partition else f"{label}, no partition"
+        return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
 
 
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
-# Base bf16 first: the headline MFU figure, through the lean autocast file, eager and with the whole step
-# compiled (with inductor's graph partitioning, its default, and without: on the H200 the compiled step
-# captured no CUDA graph); then ZeRO-1 bf16 on the same machine, then what each other switch changes, one at
-# a time (the budget rarely reaches the last ones: the most telling come first).
+TRAIN_STEP_BASE = ("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision", "bf16",
+                   "--ds-config", AUTOCAST)
+# Base bf16 first: the headline MFU figure, through the lean autocast file: eager, eager captured by hand as
+# CUDA graphs, the whole step compiled (inductor's CUDA graphs, then captured by hand), the compiled step
+# without inductor's graph partitioning (on the H200 the compiled step captured no CUDA graph); then ZeRO-1
+# bf16 on the same machine, then what each other switch changes, one at a time (the budget rarely reaches the
+# last ones: the most telling come first).
 GPU_RUNS = [PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST),
+            PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, cuda_graphs="capture"),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST),
+            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, cuda_graphs="capture"),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False),
             PretrainRun("base", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", True, "step"),
             PretrainRun("small", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", False, seq=512),
@@ -92,7 +99,7 @@ class Scale:
     """Sizes of one acceptance run: the real one on a GPU, or toy ones that exercise every part on CPU."""
     tests: tuple[str, ...]
     sdconv_args: tuple[tuple[str, ...], ...]
-    train_step_args: tuple[str, ...]
+    train_step_args: tuple[tuple[str, ...], ...]  # one benchmarks/train_step.py command each
     runs: list[PretrainRun]
     batch: int
     seq: int
@@ -108,14 +115,13 @@ GPU = Scale(tests=("tests/kernels", "--ignore=tests/kernels/test_kernels_compile
                    "tests/model/test_sdconv_reference.py", "tests/model/test_hf_parity.py",
                    "tests/model/test_packed_documents.py"),
             sdconv_args=(("--dtype", "bf16"), ("--dtype", "fp16")),
-            train_step_args=("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision",
-                             "bf16", "--ds-config", AUTOCAST),
+            train_step_args=(TRAIN_STEP_BASE, (*TRAIN_STEP_BASE, "--capture", "--rows", "plain,engine")),
             runs=GPU_RUNS, batch=128, seq=128,
             steps=40, warmup_rows=2, vocab_size=30522)
 CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
                   sdconv_args=(("--dtype", "fp32", "--batch", "2", "--seq", "32", "--reps", "2"),),
-                  train_step_args=("--preset", "tiny", "--batch", "4", "--seq", "64", "--steps", "2", "--threads",
-                                   "1"),
+                  train_step_args=(("--preset", "tiny", "--batch", "4", "--seq", "64", "--steps", "2", "--threads",
+                                    "1"),),
                   runs=CPU_SMOKE_RUNS, batch=4, seq=64, steps=6, warmup_rows=2, vocab_size=2000, log_interval=1)
 
 
@@ -172,12 +178,15 @@ class Acceptance:
 
     def train_step(self) -> str:
         """The three training loops side by side on the acceptance's own shards (engine vs plain vs
-        transformers); eager: compiling three models would not fit the part's time."""
-        args = [*self.scale.train_step_args, "--shards", str(self._shards())]
-        code, stdout, output = self.run("train_step", [sys.executable, "benchmarks/train_step.py", *args],
-                                        limit_s=150)
-        report = stdout[stdout.find("device="):] if code == 0 else output  # without DeepSpeed's start-up log
-        return _fenced([f"$ python benchmarks/train_step.py {' '.join(self.scale.train_step_args)}", report.strip()])
+        transformers), eager (compiling three models would not fit the part's time); on a GPU then our two
+        with the step captured as CUDA graphs."""
+        parts = []
+        for i, args in enumerate(self.scale.train_step_args):
+            code, stdout, output = self.run(f"train_step_{i}", [sys.executable, "benchmarks/train_step.py", *args,
+                                                                "--shards", str(self._shards())], limit_s=150)
+            report = stdout[stdout.find("device="):] if code == 0 else output  # without DeepSpeed's start-up log
+            parts.append(f"$ python benchmarks/train_step.py {' '.join(args)}\n{report.strip()}")
+        return _fenced(parts)
 
     def pretrain(self) -> str:
         shards = self._shards()
@@ -195,11 +204,13 @@ class Acceptance:
                           f"precision overridden); logged every {s.log_interval} steps, medians of the rows after the first "
                           f"{s.warmup_rows}. Each run: `python -m "
                           f"convbert_ds.train --config configs/PRESET.yaml train.precision=P "
-                          f"model.overrides.sdconv_impl=S train.compile=C train.compile_mode=M ...` (compile on: "
-                          f"M=layers, step: M=step; the full line is in the log). CUDA graphs: those the "
-                          f"compiled step had recorded after warm-up (`cuda_graphs` in metrics.jsonl; 2 or "
-                          f"more when captured, 0 when it runs kernel by kernel, A -> B when it re-records); no partition: "
-                          f"`TORCHINDUCTOR_GRAPH_PARTITION=0`.", "", *rows])
+                          f"model.overrides.sdconv_impl=S train.compile=C train.compile_mode=M "
+                          f"train.cuda_graphs=G ...` (compile on: M=layers, step: M=step; G=inductor unless the "
+                          f"row says capture; the full line is in the log). CUDA graphs: those the step had "
+                          f"recorded after warm-up (`cuda_graphs` in metrics.jsonl; 2 or more when captured, 0 "
+                          f"when it runs kernel by kernel, A -> B when it re-records); no partition: "
+                          f"`TORCHINDUCTOR_GRAPH_PARTITION=0`; capture: the step captured by hand "
+                          f"(`train.cuda_graphs=capture`).", "", *rows])
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
@@ -228,7 +239,7 @@ class Acceptance:
                 "data.num_workers=2", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
                 f"train.steps={steps}", "train.warmup_steps=1",
                 f"train.precision={spec.precision}", f"train.compile={str(spec.compile).lower()}",
-                f"train.compile_mode={spec.compile_mode}",
+                f"train.compile_mode={spec.compile_mode}", f"train.cuda_graphs={spec.cuda_graphs}",
                 f"model.overrides.sdconv_impl={spec.sdconv}", f"deepspeed.config=ds_configs/{spec.ds_config}.json",
                 f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
                 # Every 5 steps: a logging step reads its metrics back (a sync), the steps between do not.
@@ -237,7 +248,8 @@ class Acceptance:
     def _pretrain_one(self, spec: PretrainRun, shards: Path) -> list[str]:
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{self._shape(spec)[0]}_"
-                f"{spec.ds_config}{'' if spec.graph_partition else '_no_partition'}")
+                f"{spec.ds_config}{'' if spec.graph_partition else '_no_partition'}"
+                f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")
         run_dir = self.work / name
         code, _, _ = self.run(name, [sys.executable, "-m", "convbert_ds.train",
                                   *self._train_args(spec, shards, run_dir, self.scale.steps)],
@@ -290,7 +302,7 @@ class Acceptance:
 
 
 # Each part (an ``Acceptance`` method of that name) and its section title, in the default order.
-PARTS = {"cuda_graphs": "CUDA graphs of the compiled step", "tests": "Kernel, fallback and parity tests", "sdconv": "SDConv kernel",
+PARTS = {"cuda_graphs": "CUDA graphs of the step", "tests": "Kernel, fallback and parity tests", "sdconv": "SDConv kernel",
          "train_step": "Training step: plain PyTorch vs DeepSpeed engine vs transformers' ConvBERT",
          "pretrain": "One-GPU ELECTRA pretraining throughput (the trainer's own log)",
          "nccl": "Two processes on one GPU"}

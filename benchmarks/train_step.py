@@ -24,8 +24,11 @@ optimizer; with ``--ds-config zero0_autocast_bf16``, the plain loops' own) again
     python benchmarks/train_step.py --preset base --batch 2 --seq 128 --counts-only --threads 1   # CPU: counts
 
 ``--compile`` puts every row's encoder layers through torch.compile (``train.compile_mode: layers``);
-``--compile-step`` our two rows' whole step (``train.compile_mode: step``, CUDA graphs on a GPU) and the
-transformers row's model through plain torch.compile (graph breaks allowed: transformers' code has them).
+``--compile-step`` our two rows' whole step (``train.compile_mode: step``, inductor's CUDA graphs on a GPU)
+and the transformers row's model through plain torch.compile (graph breaks allowed: transformers' code has
+them). ``--capture`` (CUDA only) captures our two rows' forward and backward by hand as CUDA graphs
+(``train.cuda_graphs: capture``), eager or compiled (then without inductor's graphs); the transformers row
+is left as a user would run it.
 """
 
 from __future__ import annotations
@@ -87,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     compile_mode.add_argument("--compile-step", action="store_true",
                               help="our rows' whole step as one graph (train.compile_mode=step); the transformers "
                                    "row through plain torch.compile")
+    parser.add_argument("--capture", action="store_true",
+                        help="our rows' forward and backward captured as CUDA graphs at their first step and "
+                             "replayed (train.cuda_graphs=capture); CUDA only")
     parser.add_argument("--counts-only", action="store_true",
                         help="skip the timing: one warm-up step per row, then the ops/syncs table (fast on CPU)")
     parser.add_argument("--rows", default="plain,engine,transformers",
@@ -106,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.compile_step and args.ds_config.startswith("zero3"):
         parser.error(f"--compile-step with --ds-config {args.ds_config}: ZeRO-3 gathers parameters in hooks inside "
                      "the forward, which split the graph; use a ZeRO-0/1/2 file or --compile")
+    if args.capture and not torch.cuda.is_available():
+        parser.error("--capture: CUDA graphs need a CUDA GPU; leave it out on CPU")
+    if args.capture and args.ds_config.startswith("zero3"):
+        parser.error(f"--capture with --ds-config {args.ds_config}: ZeRO-3 gathers parameters in hooks inside "
+                     "the forward; use a ZeRO-0/1/2 file")
     return args
 
 
@@ -349,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     from convbert_ds.model.layers import compile_layers, compile_step
     from convbert_ds.model.optim import param_groups
     from convbert_ds.model.sdconv import probe_sdconv
+    from convbert_ds.model.step_capture import capture_step
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -368,20 +380,24 @@ def main(argv: list[str] | None = None) -> None:
         wanted = {ROW_NAMES[name] for name in args.rows}
         if args.compile:
             compile_layers(plain), compile_layers(wrapped), compile_hf_layers(hf)
-        elif args.compile_step:
-            if cuda:  # as the trainer does: sdconv_impl=auto probes the kernels eagerly, not inside the graph
-                probe_sdconv(plain, device, torch.bfloat16 if args.precision == "bf16" else torch.float32)
-            compile_step(plain, cuda), compile_step(wrapped, cuda)
+        if cuda and (args.compile_step or args.capture):
+            # As the trainer does: sdconv_impl=auto probes the kernels eagerly, not inside a graph.
+            probe_sdconv(plain, device, torch.bfloat16 if args.precision == "bf16" else torch.float32)
+        trees = cuda and not args.capture  # inductor's CUDA-graph trees for --compile-step
+        if args.compile_step:
+            compile_step(plain, trees), compile_step(wrapped, trees)
             hf.compile(dynamic=False, mode="reduce-overhead" if cuda else None)
         engine, _, _, _ = deepspeed.initialize(model=wrapped, config=ds_config,
                                                model_parameters=param_groups(wrapped, train.weight_decay))
+        if args.capture:  # after the engine has put the parameters where they stay
+            capture_step(plain), capture_step(wrapped)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
         plain_opt, fused = adamw(param_groups(plain, train.weight_decay), train)
         hf_opt, _ = adamw(param_groups(hf, train.weight_decay), train)
-        graphs = args.compile_step and cuda  # compiled with mode="reduce-overhead": replayed as CUDA graphs
+        graphs = args.compile_step and trees  # compiled with mode="reduce-overhead": inductor's CUDA graphs
         rows = [plain_row(PLAIN, plain, our_loss, plain_opt, autocast, train.grad_clip, graphs),
                 engine_row(engine, trainer_clip, graphs),
-                plain_row(HF, hf, hf_loss, hf_opt, autocast, train.grad_clip, graphs)]
+                plain_row(HF, hf, hf_loss, hf_opt, autocast, train.grad_clip, args.compile_step and cuda)]
         rows = [row for row in rows if row.name in wanted]  # compiled lazily: a row never run never compiles
         loader = iter(build_dataloader([{"path": shards}], "train", seq_len=args.seq, micro_batch_size=args.batch,
                                        progress=False))

@@ -301,18 +301,37 @@ def _check_combinations(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     return micro, t.global_batch_size // per_step
 
 
-def _check_compile(cfg: TrainConfig, ds_config: dict) -> None:
-    """``compile_mode: step`` puts the whole step in one graph; what would split it is refused up front."""
+def _check_compile(cfg: TrainConfig, ds_config: dict, grad_accum: int) -> None:
+    """``compile_mode: step`` puts the whole step in one graph, ``cuda_graphs: capture`` records it as CUDA
+    graphs; what would split the one or break the other is refused up front."""
     t = cfg.train
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if t.cuda_graphs == "capture":
+        _check_capture(cfg, stage, grad_accum)
     if not (t.compile and t.compile_mode == "step"):
         return
-    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if cfg.pipeline.stages > 1:
         raise ConfigError(f"train.compile_mode=step with pipeline.stages={cfg.pipeline.stages}: the pipeline engine "
                           "runs the step layer by layer; use train.compile_mode=layers")
     if stage == 3:
         raise ConfigError("train.compile_mode=step with zero_optimization.stage=3: ZeRO-3 gathers parameters in hooks "
                           "inside the forward, which split the graph; use stage 0-2 or train.compile_mode=layers")
+
+
+def _check_capture(cfg: TrainConfig, stage: int, grad_accum: int) -> None:
+    """What ``model/step_capture.py`` cannot replay (checked on CPU too: the same file runs on the cluster)."""
+    refused = [(cfg.pipeline.stages > 1, f"pipeline.stages={cfg.pipeline.stages}",
+                "the pipeline engine runs the step layer by layer"),
+               (stage == 3, "zero_optimization.stage=3", "ZeRO-3 gathers parameters in hooks inside the forward"),
+               (cfg.train.activation_checkpointing, "train.activation_checkpointing=true",
+                "the recomputation saves and restores the random state inside the backward"),
+               (grad_accum > 1, f"{grad_accum} micro-batches per step",
+                "every replay writes its gradients into the same memory, so the second micro-batch would overwrite "
+                "the first's before they add up; set train.micro_batch_size to train.global_batch_size / ranks")]
+    for refuse, setting, reason in refused:
+        if refuse:
+            raise ConfigError(f"train.cuda_graphs=capture with {setting}: {reason}; or use train.cuda_graphs=inductor "
+                              "or off")
 
 
 def _has_valid(path: Path) -> bool:
@@ -418,7 +437,7 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision)
     if cfg.pipeline.stages > 1:
         check_pipeline_ds_config(ds_config)
-    _check_compile(cfg, ds_config)
+    _check_compile(cfg, ds_config, grad_accum)
     sets = parse_sets(cfg.data.sets)
     train_splits = [open_split(path, "train") for path, _ in sets]
     if cfg.data.verify != "size" and distributed.rank() == 0:

@@ -35,6 +35,7 @@ from convbert_ds.model.layers import (compile_layers, compile_step, compiled_gra
                                       cudagraph_skips)
 from convbert_ds.model.sdconv import probe_sdconv
 from convbert_ds.model.optim import param_groups
+from convbert_ds.model.step_capture import capture_step
 
 EXIT_PREEMPTED = 3
 # A checkpoint's record of its phase; a run without phase.continue_from is phase 1 with nothing before it.
@@ -96,18 +97,30 @@ class Trainer:
         return model
 
     def _build_model(self):
-        model = self._build_uncompiled_model()
-        self.cuda_graphs = (self.cfg.train.compile and self.cfg.train.compile_mode == "step"
-                            and torch.cuda.is_available())
-        if self.cfg.train.compile and torch.cuda.is_available():
-            # sdconv_impl=auto decides per layout by running the kernels once: eagerly, before tracing.
+        model, t, cuda = self._build_uncompiled_model(), self.cfg.train, torch.cuda.is_available()
+        # Inductor's CUDA-graph trees (train.cuda_graphs=inductor); a capture by hand is set up in setup().
+        self.cuda_graphs = t.compile and t.compile_mode == "step" and cuda and t.cuda_graphs == "inductor"
+        if (t.compile or t.cuda_graphs == "capture") and cuda:
+            # sdconv_impl=auto decides per layout by running the kernels once: eagerly, before tracing or
+            # capturing.
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
             probe_sdconv(model, torch.device("cuda", torch.cuda.current_device()), dtype)
-        if self.cfg.train.compile and self.cfg.train.compile_mode == "step":
-            compile_step(model, cuda=torch.cuda.is_available())
-        elif self.cfg.train.compile:
+        if t.compile and t.compile_mode == "step":
+            compile_step(model, cuda_graphs=self.cuda_graphs)
+        elif t.compile:
             compile_layers(model)
         return model
+
+    def _capture_step(self):
+        """``train.cuda_graphs: capture``: the model records its step as CUDA graphs at its first training
+        call (``model/step_capture.py``); here, where the engine has put the parameters where they stay."""
+        if self.cfg.train.cuda_graphs != "capture":
+            return None
+        if self.device.type == "cuda":
+            return capture_step(self.engine.module)
+        if dist.get_rank() == 0:
+            print("note: train.cuda_graphs=capture: no CUDA device, so the step runs without CUDA graphs", flush=True)
+        return None
 
     def _build_uncompiled_model(self):
         cfg = self.cfg
@@ -131,6 +144,7 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(
             model, cfg.train.weight_decay), config=self.ds_config)
         self.device = self.engine.device
+        self.captured = self._capture_step()
         if self.pipelined:
             self.dp_rank = self.engine.grid.get_data_parallel_rank()
             self.dp_size = self.engine.grid.get_data_parallel_world_size()
@@ -455,8 +469,10 @@ class Trainer:
                    "consumed_samples": self.train_loader.consumed_samples,
                    # Constant after warm-up; growing means something recompiles every step.
                    "compiled_graphs": compiled_graph_count() if t.compile else None,
-                   # forward, backward and evaluation graphs (more when inductor partitions one); 0: none
-                   "cuda_graphs": cuda_graphs_recorded() if self.cuda_graphs else None}
+                   # forward, backward and evaluation graphs (more when inductor partitions one; 2 when
+                   # captured by hand); 0: none
+                   "cuda_graphs": cuda_graphs_recorded() if self.cuda_graphs
+                   else self.captured.graphs if self.captured else None}
         self._check_cuda_graphs(metrics["cuda_graphs"])
         if self.is_logger:
             print(f"{self.progress.prefix()} {format_line(self.step, t.steps, metrics)} | "

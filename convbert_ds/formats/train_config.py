@@ -150,8 +150,14 @@ class TrainSection:
                                  "(benchmarks/RESULTS.md)")] = False
     compile_mode: Annotated[Literal["layers", "step"], Key(
         "what train.compile compiles: layers = every encoder layer (masking, sampling and losses eager); step = "
-        "the whole ELECTRA forward and its backward as one graph with no graph break, CUDA graphs on GPUs "
-        "(reduce-overhead): the host leaves the loop")] = "layers"
+        "the whole ELECTRA forward and its backward as one graph with no graph break (CUDA graphs: see "
+        "cuda_graphs)")] = "layers"
+    cuda_graphs: Annotated[Literal["inductor", "capture", "off"], Key(
+        "CUDA graphs on GPUs, so the host does not queue each kernel (nothing on CPU): inductor = inductor's "
+        "CUDA-graph trees for train.compile_mode=step (reduce-overhead; inductor may decline, see cuda_graphs in "
+        "the log); capture = the whole ELECTRA forward and backward captured at the first step and replayed, "
+        "eager or compiled (one micro-batch a step, no pipeline, ZeRO 0-2, no activation checkpointing); off = "
+        "none")] = "inductor"
     profile: ProfileSection = field(default_factory=ProfileSection)
     max_nonfinite_in_a_row: Annotated[int, Key("stop after this many steps in a row with a non-finite loss, where "
                                                "their updates are skipped (fp16, or nonfinite_check_interval 1); "

@@ -284,19 +284,20 @@ def compile_layers(model: nn.Module) -> int:
     return len(layers)
 
 
-def compile_step(model: nn.Module, cuda: bool) -> None:
+def compile_step(model: nn.Module, cuda_graphs: bool) -> None:
     """Put the whole forward of ``model`` (the ELECTRA step: masking, both bodies, sampling, losses) through
     ``torch.compile`` as one graph, in place: ``fullgraph=True``, so a graph break is an error, not a silent
-    return of the host to the loop; its backward is compiled with it (AOTAutograd). On CUDA it asks for CUDA
-    graphs (``mode="reduce-overhead"``): one launch instead of thousands, where inductor captures them
-    (``cuda_graphs_recorded`` says whether it did). The step may
-    take this shape because nothing in it reads the device (static masking, no ``.item()``, inputs checked
-    on the host) and batches have one shape. Call it with ``check=False``."""
+    return of the host to the loop; its backward is compiled with it (AOTAutograd). ``cuda_graphs`` (on CUDA
+    only) asks inductor for its CUDA-graph trees (``mode="reduce-overhead"``): one launch instead of
+    thousands, where inductor captures them (``cuda_graphs_recorded`` says whether it did); without it the
+    kernels launch one by one, or ``step_capture`` captures them. The step may take this shape because
+    nothing in it reads the device (static masking, no ``.item()``, inputs checked on the host) and batches
+    have one shape. Call it with ``check=False``."""
     _eager_random_stream()
     # ``forward``, not the module's call: hooks that an engine registers on the module (DeepSpeed's timers
     # and ZeRO bookkeeping) stay eager around the graph instead of breaking it.
     model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                                  mode="reduce-overhead" if cuda else None)
+                                  mode="reduce-overhead" if cuda_graphs else None)
 
 
 def _eager_random_stream() -> None:

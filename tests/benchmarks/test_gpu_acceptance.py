@@ -39,7 +39,7 @@ def test_every_part_runs_on_cpu(tmp_path):
     assert "passed" in text.split("#### Kernel, fallback and parity tests")[1].split("####")[0]
     assert "torch reference vs transformers" in text
     # Without CUDA the CUDA-graph test is skipped, saying why, and no run claims a captured graph.
-    assert "CUDA graphs need a CUDA GPU" in text.split("#### CUDA graphs of the compiled step")[1].split("####")[0]
+    assert "CUDA graphs need a CUDA GPU" in text.split("#### CUDA graphs of the step")[1].split("####")[0]
     rows = [line for line in text.splitlines() if line.startswith("| tiny | 64 x 4 | zero1_bf16 | fp32 | torch |")]
     assert [row.split("|")[6].strip() for row in rows] == ["off", "on"], text
     for row in rows:  # samples/s and tokens/s read from the trainer's own metrics.jsonl

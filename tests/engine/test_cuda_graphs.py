@@ -1,13 +1,17 @@
-"""On a GPU: the compiled ELECTRA step (``train.compile_mode: step``) is captured as CUDA graphs.
+"""On a GPU: the ELECTRA step is captured as CUDA graphs, by inductor or by hand.
 
-``compile_step`` asks inductor for CUDA graphs (``reduce-overhead``), but inductor may run a compiled graph
-kernel by kernel instead, and with graph partitioning (its default) without saying so. On the H200 the
-compiled step showed no replay in a profile. These tests run the step as the trainer does (bf16 autocast,
-fused AdamW, ``cudagraph_mark_step_begin`` per step) with partitioning on and off, and count the graphs
-the CUDA-graph trees recorded: a failure names the setting and the skips inductor reported. A third
-test captures the eager step by hand (``torch.cuda.make_graphed_callables``): the other route to one
-launch per step. ``python -m benchmarks.gpu_acceptance`` runs them first. Skipped without CUDA.
+``compile_step`` asks inductor for CUDA graphs (``train.cuda_graphs: inductor``, ``reduce-overhead``), but
+inductor may run a compiled graph kernel by kernel instead, and with graph partitioning (its default)
+without saying so. On the H200 the compiled step showed no replay in a profile. The first tests run the
+step as the trainer does (bf16 autocast, fused AdamW, ``cudagraph_mark_step_begin`` per step) with
+partitioning on and off, and count the graphs the CUDA-graph trees recorded: a failure names the setting
+and the skips inductor reported. The others check the route that does not depend on inductor's choice,
+``train.cuda_graphs: capture`` (``model/step_capture.py``): the step captured by hand trains, eager and
+compiled, and a replay computes what the eager step computes. ``python -m benchmarks.gpu_acceptance``
+runs them first. Skipped without CUDA.
 """
+
+import copy
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from convbert_ds.config import ElectraConfig
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.layers import compile_step, cuda_graphs_recorded, cudagraph_skips
 from convbert_ds.model.sdconv import probe_sdconv
+from convbert_ds.model.step_capture import capture_step
 
 # Collected and skipped (not skipped at import): the acceptance's pytest then exits 0 on a CPU smoke run.
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
@@ -49,7 +54,7 @@ def test_compiled_step_is_captured_and_replayed(partition):
     model, optimizer, (input_ids, mask, types) = _tiny_step_parts()
     losses = []
     with inductor_config.patch(graph_partition=partition):  # read when the graphs compile, at the first call
-        compile_step(model, cuda=True)
+        compile_step(model, cuda_graphs=True)
         for _ in range(STEPS):
             torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -65,30 +70,60 @@ def test_compiled_step_is_captured_and_replayed(partition):
     assert _trains(losses), losses
 
 
-class _StepLoss(torch.nn.Module):
-    """The ELECTRA step's loss as the only output: ``make_graphed_callables`` takes tensors in and out."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, token_type_ids):
-        return self.model(input_ids, attention_mask, token_type_ids, check=False).loss
-
-
-def test_eager_step_can_be_captured_by_hand():
-    """Without inductor: ``torch.cuda.make_graphed_callables`` captures the eager forward and backward whole,
-    which needs what the step was built for (no host read, static shapes, device-side randomness). If
-    inductor's trees do not capture the compiled step, this says whether an explicit capture could."""
-    model, optimizer, batch = _tiny_step_parts()
+def _train(model, optimizer, batch, steps: int = STEPS) -> list[torch.Tensor]:
+    """The trainer's loop in short: bf16 autocast forward, backward, fused AdamW step."""
     losses = []
-    # The autocast cache would hold casts made during capture: make_graphed_callables refuses it.
-    with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
-        graphed = torch.cuda.make_graphed_callables(_StepLoss(model), batch, allow_unused_input=True)
-        for _ in range(STEPS):
-            loss = graphed(*batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach().clone())
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(*batch, check=False)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(out.loss.detach().clone())
+    return losses
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_step_captured_by_hand_trains(compiled):
+    """``train.cuda_graphs: capture`` (``capture_step``): the whole forward and backward recorded at the first
+    training call, then replayed; eager, or compiled without inductor's trees. Evaluation (no grad, eval
+    mode) runs uncaptured beside it."""
+    torch._dynamo.reset()
+    model, optimizer, batch = _tiny_step_parts()
+    if compiled:
+        compile_step(model, cuda_graphs=False)
+    captured = capture_step(model)
+    losses = _train(model, optimizer, batch)
+    assert captured.graphs == 2 and cuda_graphs_recorded() == 0  # by hand, not through inductor's trees
     assert _trains(losses), losses
+    assert captured.fields[:3] == ["loss", "mlm_loss", "mlm_accuracy"]
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(*batch, check=False)
+    model.train()
+    assert torch.isfinite(evaluated.loss) and evaluated.rtd_logits.shape == batch[0].shape
+
+
+def test_a_replay_follows_the_eager_step():
+    """A replay draws its masks, samples and dropout from the CUDA generator's current state, as the eager
+    step does (what exact resume and a switch of ``cuda_graphs`` at a resume rely on): from the same weights
+    and the same seed, two captured steps give the eager steps' losses and gradients (fp32, so the only
+    differences are the backward's atomic adds)."""
+    model, _, batch = _tiny_step_parts()
+    twin = copy.deepcopy(model)
+    capture_step(model)
+    for step in range(2):
+        results = []
+        for net in (model, twin):
+            torch.manual_seed(100 + step)
+            out = net(*batch, check=False)
+            out.loss.backward()
+            results.append((out.loss.detach().clone(), [p.grad.clone() for p in net.parameters()]))
+            with torch.no_grad():  # the same update on both, so the second step starts from new weights
+                for p in net.parameters():
+                    p -= 1e-3 * p.grad
+                    p.grad = None
+        (loss, grads), (eager_loss, eager_grads) = results
+        assert torch.allclose(loss, eager_loss, rtol=1e-5, atol=1e-6), (step, loss, eager_loss)
+        for g, e in zip(grads, eager_grads):
+            assert torch.allclose(g, e, rtol=1e-4, atol=1e-6), (step, (g - e).abs().max())

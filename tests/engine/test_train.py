@@ -131,9 +131,11 @@ def test_nonfinite_losses_stop_the_run_before_a_checkpoint_holds_them(check_inte
 
 
 def test_torchrun_launches_the_same_trainer(tiny_corpus, tmp_path):
+    # With a GPU-only switch that a CPU run notes and goes without (the same config runs on the cluster).
     output = check(run_training(tmp_path, tiny_corpus["shards"], "train.steps=3", "eval.interval=0",
-                                launcher="torchrun"))
+                                "train.cuda_graphs=capture", launcher="torchrun"))
     assert "launcher=torch world_size=2" in output
+    assert "note: train.cuda_graphs=capture: no CUDA device" in output
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -158,6 +160,15 @@ def test_torchrun_launches_the_same_trainer(tiny_corpus, tmp_path):
     (["train.compile=true", "train.compile_mode=step", "deepspeed.config=ds_configs/zero3_bf16.json"],
      "train.compile_mode=step with zero_optimization.stage=3"),
     (["train.compile_mode=graph"], "train.compile_mode='graph'"),
+    (["train.cuda_graphs=capture", "pipeline.stages=2", "deepspeed.config=ds_configs/pipeline_zero1_bf16.json"],
+     "train.cuda_graphs=capture with pipeline.stages=2: the pipeline engine"),
+    (["train.cuda_graphs=capture", "deepspeed.config=ds_configs/zero3_bf16.json"],
+     "train.cuda_graphs=capture with zero_optimization.stage=3"),
+    (["train.cuda_graphs=capture", "train.activation_checkpointing=true"],
+     "train.cuda_graphs=capture with train.activation_checkpointing=true"),
+    (["train.cuda_graphs=capture", "train.micro_batch_size=4"],
+     "train.cuda_graphs=capture with 2 micro-batches per step: every replay"),
+    (["train.cuda_graphs=graphs"], "train.cuda_graphs='graphs': use one of ['inductor', 'capture', 'off']"),
     (["pipeline.stages=2", "deepspeed.config=ds_configs/zero0_autocast_bf16.json", "train.precision=bf16"],
      "torch_autocast.enabled=true with pipeline parallelism: not supported"),
     (["data.seed=-1"], "data.seed=-1: must be >= 0"),

@@ -3,7 +3,6 @@ checkpoints (saved every ``checkpoint.interval`` steps and on SIGUSR1/SIGTERM) a
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import defaultdict
 from functools import partial
@@ -24,6 +23,7 @@ from convbert_ds.engine.metrics_log import MetricsLog
 from convbert_ds.engine.plan import RunPlan
 from convbert_ds.engine.profiling import StepProfiler
 from convbert_ds.engine.progress import RunProgress
+from convbert_ds.engine.step_graphs import StepGraphs
 from convbert_ds.engine.step_guard import StepGuard, Verdict
 from convbert_ds.engine.universal import load_into
 from convbert_ds.formats.checkpoint import directory as tags, universal
@@ -31,11 +31,9 @@ from convbert_ds.formats.init_dir import load_init_weights
 from convbert_ds.formats.train_config import DownstreamSection
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.convbert import check_inputs
-from convbert_ds.model.layers import (compile_layers, compile_step, compiled_graph_count, cuda_graphs_recorded,
-                                      cudagraph_skips)
+from convbert_ds.model.layers import compile_layers, compile_step, compiled_graph_count
 from convbert_ds.model.sdconv import probe_sdconv
 from convbert_ds.model.optim import param_groups
-from convbert_ds.model.step_capture import capture_step
 
 EXIT_PREEMPTED = 3
 # A checkpoint's record of its phase; a run without phase.continue_from is phase 1 with nothing before it.
@@ -98,29 +96,17 @@ class Trainer:
 
     def _build_model(self):
         model, t, cuda = self._build_uncompiled_model(), self.cfg.train, torch.cuda.is_available()
-        # Inductor's CUDA-graph trees (train.cuda_graphs=inductor); a capture by hand is set up in setup().
-        self.cuda_graphs = t.compile and t.compile_mode == "step" and cuda and t.cuda_graphs == "inductor"
+        self.graphs = StepGraphs(t, cuda)  # a capture by hand is set up in setup(), once the engine is built
         if (t.compile or t.cuda_graphs == "capture") and cuda:
             # sdconv_impl=auto decides per layout by running the kernels once: eagerly, before tracing or
             # capturing.
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
             probe_sdconv(model, torch.device("cuda", torch.cuda.current_device()), dtype)
         if t.compile and t.compile_mode == "step":
-            compile_step(model, cuda_graphs=self.cuda_graphs)
+            compile_step(model, cuda_graphs=self.graphs.trees)
         elif t.compile:
             compile_layers(model)
         return model
-
-    def _capture_step(self):
-        """``train.cuda_graphs: capture``: the model records its step as CUDA graphs at its first training
-        call (``model/step_capture.py``); here, where the engine has put the parameters where they stay."""
-        if self.cfg.train.cuda_graphs != "capture":
-            return None
-        if self.device.type == "cuda":
-            return capture_step(self.engine.module)
-        if dist.get_rank() == 0:
-            print("note: train.cuda_graphs=capture: no CUDA device, so the step runs without CUDA graphs", flush=True)
-        return None
 
     def _build_uncompiled_model(self):
         cfg = self.cfg
@@ -144,7 +130,7 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(
             model, cfg.train.weight_decay), config=self.ds_config)
         self.device = self.engine.device
-        self.captured = self._capture_step()
+        self.graphs.capture(self.engine.module, self.device, announce=dist.get_rank() == 0)
         if self.pipelined:
             self.dp_rank = self.engine.grid.get_data_parallel_rank()
             self.dp_size = self.engine.grid.get_data_parallel_world_size()
@@ -276,9 +262,7 @@ class Trainer:
 
     def _forward(self, batch: dict):
         batch = self._to_device(batch)
-        if self.cuda_graphs:
-            # A new replay may reuse the last one's output memory: the previous micro-batch is done with it.
-            torch.compiler.cudagraph_mark_step_begin()
+        self.graphs.begin_step()
         return self.engine(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], check=False,
                            document_ids=batch.get("document_ids"))
 
@@ -392,7 +376,7 @@ class Trainer:
         guard.start(self.device, t.nonfinite_check_interval, t.max_nonfinite_in_a_row,
                     skips_nonfinite=self.precision == "fp16")
         # Counted from this process's first step, not the run's: a resumed run compiles and records anew.
-        self.cuda_graphs_check_at = self.step + 3 if self.cuda_graphs else None
+        self.graphs.start(self.step)
         batches = iter(self.train_loader)
         saved_at, checked_at = self.step, self.step
         # Throughput is measured between logging steps, whose metric read waits for the device: between
@@ -469,29 +453,13 @@ class Trainer:
                    "consumed_samples": self.train_loader.consumed_samples,
                    # Constant after warm-up; growing means something recompiles every step.
                    "compiled_graphs": compiled_graph_count() if t.compile else None,
-                   # forward, backward and evaluation graphs (more when inductor partitions one; 2 when
-                   # captured by hand); 0: none
-                   "cuda_graphs": cuda_graphs_recorded() if self.cuda_graphs
-                   else self.captured.graphs if self.captured else None}
-        self._check_cuda_graphs(metrics["cuda_graphs"])
+                   "cuda_graphs": self.graphs.recorded()}
+        self.graphs.check(self.step, metrics["cuda_graphs"], announce=self.is_logger)
         if self.is_logger:
             print(f"{self.progress.prefix()} {format_line(self.step, t.steps, metrics)} | "
                   f"{self.progress.suffix(self.step)}", flush=True)
         self.progress.record_step(metrics)
         self.log.write(self.step, {k: v for k, v in metrics.items() if v is not None})
-
-    def _check_cuda_graphs(self, recorded: int | None) -> None:
-        """Say so, once, when the compiled step asked for CUDA graphs and none was captured by this
-        process's third step (the trees record on a function's second call): the run goes on, kernel by
-        kernel."""
-        if recorded is None or self.cuda_graphs_check_at is None or self.step < self.cuda_graphs_check_at:
-            return
-        self.cuda_graphs_check_at = None
-        if recorded == 0 and self.is_logger:
-            print(f"warning: train.compile_mode=step: no CUDA graph was captured by step {self.step} (inductor "
-                  f"reported {cudagraph_skips()} skip(s)); the compiled step launches its kernels one by one. "
-                  "TORCH_LOGS=cudagraphs prints the reasons inductor gives; with TORCHINDUCTOR_GRAPH_PARTITION=0 "
-                  "it also gives the reasons graph partitioning keeps to itself", file=sys.stderr, flush=True)
 
     def _log_eval(self) -> None:
         metrics = self.evaluate()

@@ -19,9 +19,9 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
 5. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128 and 512, small and
    base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step, ZeRO-1 bf16 vs
    ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and
-   without inductor's graph partitioning, the step captured by hand; samples/s, tokens/s and MFU are the medians of the trainer's own
-   ``metrics.jsonl`` after warm-up, with the CUDA graphs the compiled step recorded (the most telling runs
-   first).
+   without inductor's graph partitioning, the step captured by hand (``train.cuda_graphs: capture``);
+   samples/s, tokens/s and MFU are the medians of the trainer's own ``metrics.jsonl`` after warm-up, with
+   the CUDA graphs the step recorded (the most telling runs first).
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0, leaving RESULTS.md untouched.

@@ -320,18 +320,20 @@ def _check_compile(cfg: TrainConfig, ds_config: dict, grad_accum: int) -> None:
 
 def _check_capture(cfg: TrainConfig, stage: int, grad_accum: int) -> None:
     """What ``model/step_capture.py`` cannot replay (checked on CPU too: the same file runs on the cluster)."""
+    other = "use train.cuda_graphs=inductor or off"
     refused = [(cfg.pipeline.stages > 1, f"pipeline.stages={cfg.pipeline.stages}",
-                "the pipeline engine runs the step layer by layer"),
-               (stage == 3, "zero_optimization.stage=3", "ZeRO-3 gathers parameters in hooks inside the forward"),
+                f"the pipeline engine runs the step layer by layer; {other}"),
+               (stage == 3, "zero_optimization.stage=3",
+                f"ZeRO-3 gathers parameters in hooks inside the forward; use stage 0-2, or {other}"),
                (cfg.train.activation_checkpointing, "train.activation_checkpointing=true",
-                "the recomputation saves and restores the random state inside the backward"),
+                f"the recomputation saves and restores the random state inside the backward; {other}"),
                (grad_accum > 1, f"{grad_accum} micro-batches per step",
                 "every replay writes its gradients into the same memory, so the second micro-batch would overwrite "
-                "the first's before they add up; set train.micro_batch_size to train.global_batch_size / ranks")]
+                "the first's before they add up; set train.micro_batch_size to train.global_batch_size / ranks, "
+                f"or {other}")]
     for refuse, setting, reason in refused:
         if refuse:
-            raise ConfigError(f"train.cuda_graphs=capture with {setting}: {reason}; or use train.cuda_graphs=inductor "
-                              "or off")
+            raise ConfigError(f"train.cuda_graphs=capture with {setting}: {reason}")
 
 
 def _has_valid(path: Path) -> bool:

@@ -63,7 +63,11 @@ class CapturedStep:
         args = (input_ids, attention_mask, token_type_ids) + (() if document_ids is None else (document_ids,))
         signature = tuple((tuple(a.shape), a.dtype) for a in args)
         if self.graphed is None:
-            self._capture(args, signature)
+            try:
+                self._capture(args, signature)
+            except RuntimeError as error:  # torch's message says what broke the capture; this says what to do
+                raise RuntimeError(f"train.cuda_graphs=capture: capturing the training step failed ({error}); "
+                                   "run with train.cuda_graphs=inductor or off") from error
         elif signature != self.signature:
             self._warn_once(signature)
             return self.uncaptured(*args[:3], check=False, document_ids=document_ids)

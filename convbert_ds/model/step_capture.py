@@ -49,12 +49,17 @@ class _StepTensors(nn.Module):
 
 
 class CapturedStep:
-    """Stands in for ``model.forward`` (see ``capture_step``). ``graphs``: CUDA graphs captured (0, then 2)."""
+    """Stands in for ``model.forward`` (see ``capture_step``)."""
 
     def __init__(self, model: nn.Module, forward):
         self.model, self.uncaptured = model, forward
-        self.graphed, self.signature, self.fields, self.graphs = None, None, None, 0
+        self.graphed, self.signature, self.fields = None, None, None
         self.warned = False
+
+    @property
+    def graphs(self) -> int:
+        """CUDA graphs captured: the forward's and the backward's once the first training call has run."""
+        return 0 if self.graphed is None else 2
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, check=True, document_ids=None):
         if not (self.model.training and torch.is_grad_enabled()) or check or attention_mask is None \
@@ -88,7 +93,7 @@ class CapturedStep:
                 "cuda", dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"),
                 cache_enabled=False):
             self.graphed = torch.cuda.make_graphed_callables(step, sample, allow_unused_input=True)
-        self.signature, self.fields, self.graphs = signature, step.fields, 2
+        self.signature, self.fields = signature, step.fields
 
     def _warn_once(self, signature: tuple) -> None:
         if not self.warned:

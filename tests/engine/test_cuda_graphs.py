@@ -45,35 +45,13 @@ def _trains(losses: list[torch.Tensor]) -> bool:
     return all(torch.isfinite(loss) for loss in losses) and len({loss.item() for loss in losses}) > 1
 
 
-@pytest.mark.parametrize("partition", [True, False], ids=["graph-partition", "no-graph-partition"])
-def test_compiled_step_is_captured_and_replayed(partition):
-    import torch._inductor.config as inductor_config
-
-    torch._dynamo.reset()  # also empties the CUDA-graph trees: the count below is this test's
-    torch._logging.set_logs(cudagraphs=True)  # inductor's reasons for a skip, in the failure's captured log
-    model, optimizer, (input_ids, mask, types) = _tiny_step_parts()
+def _train(model, optimizer, batch, trees: bool = False) -> list[torch.Tensor]:
+    """The trainer's loop in short: bf16 autocast forward, backward, fused AdamW step; with inductor's
+    ``trees``, each step marked as the trainer marks it (``StepGraphs.begin_step``)."""
     losses = []
-    with inductor_config.patch(graph_partition=partition):  # read when the graphs compile, at the first call
-        compile_step(model, cuda_graphs=True)
-        for _ in range(STEPS):
+    for _ in range(STEPS):
+        if trees:
             torch.compiler.cudagraph_mark_step_begin()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model(input_ids, mask, types, check=False)
-            out.loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(out.loss.detach().clone())
-    recorded = cuda_graphs_recorded()
-    torch._logging.set_logs()
-    assert recorded >= 2, (f"graph_partition={partition}: {recorded} CUDA graph(s) recorded after {STEPS} steps "
-                           f"(forward and backward expected); inductor reported {cudagraph_skips()} skip(s)")
-    assert _trains(losses), losses
-
-
-def _train(model, optimizer, batch, steps: int = STEPS) -> list[torch.Tensor]:
-    """The trainer's loop in short: bf16 autocast forward, backward, fused AdamW step."""
-    losses = []
-    for _ in range(steps):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = model(*batch, check=False)
         out.loss.backward()
@@ -81,6 +59,23 @@ def _train(model, optimizer, batch, steps: int = STEPS) -> list[torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(out.loss.detach().clone())
     return losses
+
+
+@pytest.mark.parametrize("partition", [True, False], ids=["graph-partition", "no-graph-partition"])
+def test_compiled_step_is_captured_and_replayed(partition):
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()  # also empties the CUDA-graph trees: the count below is this test's
+    torch._logging.set_logs(cudagraphs=True)  # inductor's reasons for a skip, in the failure's captured log
+    model, optimizer, batch = _tiny_step_parts()
+    with inductor_config.patch(graph_partition=partition):  # read when the graphs compile, at the first call
+        compile_step(model, cuda_graphs=True)
+        losses = _train(model, optimizer, batch, trees=True)
+    recorded = cuda_graphs_recorded()
+    torch._logging.set_logs()
+    assert recorded >= 2, (f"graph_partition={partition}: {recorded} CUDA graph(s) recorded after {STEPS} steps "
+                           f"(forward and backward expected); inductor reported {cudagraph_skips()} skip(s)")
+    assert _trains(losses), losses
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

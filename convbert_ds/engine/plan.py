@@ -191,9 +191,9 @@ def host_sync_warnings(ds: dict) -> list[str]:
     for name in ("bf16", "fp16"):
         if (ds.get(name) or {}).get("enabled") and stage == 0:
             lines.append(f"{name} with zero_optimization.stage=0 runs DeepSpeed's unfused optimizer (an fp32 copy, "
-                         "overflow test and host sync per parameter tensor every step); use stage 1 "
-                         f"(ds_configs/zero1_{name}.json), torch autocast (ds_configs/zero0_autocast_bf16.json) "
-                         "or fp32")
+                         "overflow test and host sync per parameter tensor every step); use torch autocast "
+                         "(ds_configs/zero0_autocast_bf16.json, the default), stage 1 "
+                         f"(ds_configs/zero1_{name}.json) or fp32")
     if bf16 and stage in (1, 2) and (ds.get("bf16") or {}).get("check_grad_overflow", True):
         lines.append(f"bf16.check_grad_overflow is true (DeepSpeed's default) at ZeRO-{stage}: an inf/NaN test per "
                      "gradient tensor and a host sync every step; set it to false (the trainer's non-finite-loss "

@@ -6,7 +6,7 @@
     checkpoint: {dir: runs/x/checkpoints, interval: 5000, keep_last: 3}
     eval:       {interval: 5000, samples: 2048}
     log:        {interval: 50, dir: null}
-    deepspeed:  {config: ds_configs/zero1_bf16.json}       # a path, or an inline dict
+    deepspeed:  {config: ds_configs/zero0_autocast_bf16.json}  # a path, or an inline dict
     pipeline:   {stages: 1}
     phase:      {continue_from: null}                       # a phase 2 names phase 1's checkpoint.dir
 
@@ -237,8 +237,9 @@ class LogSection:
 @dataclass
 class DeepSpeedSection:
     config: Annotated[typing.Any, Key("a ds_configs/*.json path or an inline mapping: ZeRO stage, offload, "
-                                      "communication and bucket sizes (the rest is set here)")] = \
-        "ds_configs/zero1_bf16.json"
+                                      "communication and bucket sizes (the rest is set here); the default is "
+                                      "the leanest step (fp32 weights, bf16 autocast, fused AdamW)")] = \
+        "ds_configs/zero0_autocast_bf16.json"
 
 
 @dataclass

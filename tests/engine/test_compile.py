@@ -4,6 +4,8 @@
 Tolerance: in fp32 the compiled run follows the eager one to rounding (inductor reorders reductions;
 dropout draws the same masks, see ``compile_layers``). Measured over 20 steps: losses equal to 2e-6,
 gradient norms to 4e-6. The tests run 12 (compiling dominates their time) and allow a relative 1e-4.
+Under bf16 autocast (the paper configs' lean ZeRO-0 file) inductor also fuses the casts, so results round
+differently: measured over the 12 steps, losses to 1e-4 and gradient norms to 3.3e-4; allowed 2e-3.
 """
 
 import shutil
@@ -27,35 +29,38 @@ def runs(tiny_corpus, tmp_path_factory):
     checkpointing (layer by layer: the pipeline's only mode). The plain engine's layer-by-layer mode is the
     pipeline's ``compile_layers`` on the unsplit model; each compiled run costs ~100 s on CPU."""
     root = tmp_path_factory.mktemp("compile")
-    layouts = {"zero2": ("deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32"), "pipeline": PIPELINE}
+    layouts = {"zero2": ("deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32"), "pipeline": PIPELINE,
+               "autocast": ("deepspeed.config=ds_configs/zero0_autocast_bf16.json", "train.precision=bf16")}
     modes = {"eager": ("train.compile=false",), "compiled": ("train.compile=true",),
              "step": ("train.compile=true", "train.compile_mode=step")}
     done = {}
     for layout, overrides in layouts.items():
         for mode, switches in modes.items():
-            if (layout, mode) in (("pipeline", "step"), ("zero2", "compiled")):
-                continue  # step: refused up front for the pipeline; zero2 layer by layer: see above
+            if (layout, mode) in (("pipeline", "step"), ("zero2", "compiled"), ("autocast", "compiled")):
+                continue  # step: refused up front for the pipeline; the plain engine layer by layer: see above
             run_dir = root / f"{layout}_{mode}"
             output = check(run_training(run_dir, tiny_corpus["shards"], *COMMON, *overrides, *switches, timeout=600))
             done[layout, mode] = (run_dir, output)
     return done
 
 
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= 1e-4 * max(abs(a), abs(b), 1.0)
+def _close(a: float, b: float, tolerance: float) -> bool:
+    return abs(a - b) <= tolerance * max(abs(a), abs(b), 1.0)
 
 
-COMPILED = [("pipeline", "compiled"), ("zero2", "step")]
+COMPILED = [("pipeline", "compiled"), ("zero2", "step"), ("autocast", "step")]
+TOLERANCE = {"pipeline": 1e-4, "zero2": 1e-4, "autocast": 2e-3}
 
 
 @pytest.mark.parametrize("layout,mode", COMPILED)
 def test_compiled_training_follows_eager(runs, layout, mode):
-    """``step``: the whole ELECTRA forward and backward as one graph inside the DeepSpeed engine."""
+    """``step``: the whole ELECTRA forward and backward as one graph inside the DeepSpeed engine, in fp32 and
+    under the lean autocast file (its clipping is the trainer's, on ZeRO-0's fp32 gradients)."""
     eager, compiled = (train_metrics(runs[layout, name][0]) for name in ("eager", mode))
     assert [r["step"] for r in compiled] == list(range(1, STEPS + 1))
     for a, b in zip(eager, compiled):
         for key in ("loss", "mlm_loss", "rtd_loss", "grad_norm"):
-            assert _close(a[key], b[key]), (layout, a["step"], key, a[key], b[key])
+            assert _close(a[key], b[key], TOLERANCE[layout]), (layout, a["step"], key, a[key], b[key])
     assert "compiled_graphs" not in eager[0]
     assert "cuda_graphs" not in compiled[0]  # logged where CUDA graphs are asked for: on GPUs, with ``step``
 

@@ -75,7 +75,9 @@ def test_settings_that_sync_every_step_are_named_with_their_fix():
         "bf16.check_grad_overflow", "DeepSpeed's", "wall_clock_breakdown=true", "memory_breakdown=true"]
     assert all("set it to false" in line or '"enabled": false' in line for line in warnings)
     assert host_sync_warnings({"timers": {"throughput": {"synchronized": False}}}) == []
-    assert "use stage 1 (ds_configs/zero1_bf16.json)" in host_sync_warnings({**ds, "zero_optimization": {}})[0]
+    stage0 = host_sync_warnings({**ds, "zero_optimization": {}})[0]
+    assert "use torch autocast (ds_configs/zero0_autocast_bf16.json, the default)" in stage0
+    assert "stage 1 (ds_configs/zero1_bf16.json)" in stage0
 
 
 @pytest.mark.parametrize("extra, message", [

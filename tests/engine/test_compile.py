@@ -21,20 +21,21 @@ COMMON = (f"train.steps={STEPS}", "train.warmup_steps=3", f"eval.interval={HALF}
           "data.num_workers=0")
 PIPELINE = ("deepspeed.config=ds_configs/pipeline_zero1_bf16.json", "train.precision=fp32", "pipeline.stages=2",
             "train.micro_batch_size=4", "train.activation_checkpointing=true")
+LAYOUTS = {"zero2": ("deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32"), "pipeline": PIPELINE,
+           "autocast": ("deepspeed.config=ds_configs/zero0_autocast_bf16.json", "train.precision=bf16")}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_corpus, tmp_path_factory):
-    """Eager and compiled runs of ZeRO-2 (the whole step compiled) and of a 2-stage pipeline with activation
-    checkpointing (layer by layer: the pipeline's only mode). The plain engine's layer-by-layer mode is the
-    pipeline's ``compile_layers`` on the unsplit model; each compiled run costs ~100 s on CPU."""
+    """Eager and compiled runs of ZeRO-2 in fp32 and of ZeRO-0 under bf16 autocast (the whole step compiled),
+    and of a 2-stage pipeline with activation checkpointing (layer by layer: the pipeline's only mode). The
+    plain engine's layer-by-layer mode is the pipeline's ``compile_layers`` on the unsplit model; each
+    compiled run costs ~100 s on CPU."""
     root = tmp_path_factory.mktemp("compile")
-    layouts = {"zero2": ("deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32"), "pipeline": PIPELINE,
-               "autocast": ("deepspeed.config=ds_configs/zero0_autocast_bf16.json", "train.precision=bf16")}
     modes = {"eager": ("train.compile=false",), "compiled": ("train.compile=true",),
              "step": ("train.compile=true", "train.compile_mode=step")}
     done = {}
-    for layout, overrides in layouts.items():
+    for layout, overrides in LAYOUTS.items():
         for mode, switches in modes.items():
             if (layout, mode) in (("pipeline", "step"), ("zero2", "compiled"), ("autocast", "compiled")):
                 continue  # step: refused up front for the pipeline; the plain engine layer by layer: see above
@@ -76,12 +77,13 @@ def test_nothing_recompiles_after_warm_up(runs, layout, mode):
 
 
 def test_exact_resume_of_a_compiled_run_is_bitwise(runs, tiny_corpus, tmp_path):
-    straight, _ = runs["zero2", "step"]
+    """The paper configs' path: the whole step compiled, ZeRO-0 under bf16 autocast."""
+    straight, _ = runs["autocast", "step"]
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / f"step{STEPS:08d}")
     (resumed / "checkpoints" / "latest").write_text(f"step{HALF:08d}\n")
-    output = check(run_training(resumed, tiny_corpus["shards"], *COMMON, "train.precision=fp32",
+    output = check(run_training(resumed, tiny_corpus["shards"], *COMMON, *LAYOUTS["autocast"],
                                 "train.compile=true", "train.compile_mode=step", timeout=600))
     assert f"at step {HALF}" in output
     for a, b in zip(train_metrics(straight)[HALF:], train_metrics(resumed)[HALF:]):

@@ -7,7 +7,7 @@ docstrings, tokenizer, shards, packing), steps alternating A B C A B C so machin
 * ``plain PyTorch``: our model in a plain loop, ``torch.optim.AdamW(fused=True)`` where the device has it;
 * ``DeepSpeed engine``: our model through ``deepspeed.initialize`` with the DeepSpeed config the trainer
   builds (``engine.plan.build_ds_config`` over ``ds_configs/NAME.json``, precision overridden) and stepped
-  as the trainer steps it (``clip_then_step``);
+  as the trainer steps it (``engine/optimizer_step.py``);
 * ``transformers ConvBERT``: transformers' own classes in the same plain loop (``benchmarks/hf_electra.py``),
   same sizes, same starting weights, same masks.
 
@@ -197,9 +197,9 @@ def plain_row(name: str, model: torch.nn.Module, loss_of: Callable, optimizer: t
 def engine_row(engine, trainer_clip: float, cuda_graphs: bool) -> Row:
     """The trainer's step: its own fused clipping where DeepSpeed's is off (``trainer_clip`` > 0), then
     ``engine.step()``."""
-    from convbert_ds.engine.trainer import clip_then_step, skip_lone_allreduce
+    from convbert_ds.engine.optimizer_step import OptimizerStep
 
-    skip_lone_allreduce(engine, engine.zero_optimization_stage(), 1)  # one rank, as the trainer does
+    optimizer_step = OptimizerStep(engine, trainer_clip, engine.zero_optimization_stage())  # one rank
 
     def forward_backward(batch: dict) -> torch.Tensor:
         begin_step(cuda_graphs)
@@ -207,7 +207,7 @@ def engine_row(engine, trainer_clip: float, cuda_graphs: bool) -> Row:
         engine.backward(out.loss)
         return out.loss.detach()
 
-    return Row(ENGINE, forward_backward, lambda: clip_then_step(engine, trainer_clip, None))
+    return Row(ENGINE, forward_backward, optimizer_step)
 
 
 def our_loss(model, batch: dict) -> torch.Tensor:

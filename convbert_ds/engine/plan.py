@@ -83,6 +83,10 @@ class RunPlan:
     def trainer_clip_norm(self) -> float:
         return trainer_clip_norm(self.cfg, self.ds_config)
 
+    @property
+    def whole_fp32_grads(self) -> bool:
+        return whole_fp32_grads(self.ds_config, self.cfg.pipeline.stages, self.precision)
+
 
 def load_ds_config(cfg: TrainConfig) -> dict:
     """The DeepSpeed file's own part: ZeRO stage, offload, communication, bucket sizes, precision flag."""
@@ -134,6 +138,14 @@ def trainer_clip_norm(cfg: TrainConfig, ds_config: dict) -> float:
     return cfg.train.grad_clip if ds_config.get("gradient_clipping") == 0 else 0.0
 
 
+def whole_fp32_grads(ds_config: dict, pipeline_stages: int, precision: str) -> bool:
+    """Each parameter's ``.grad`` holds its whole fp32 gradient: ZeRO-0 (no partitions), no pipeline, fp32
+    weights (fp32, or torch autocast), no fp16 loss scale. The trainer then clips (one fused norm, where
+    DeepSpeed takes one per tensor) and all-reduces (one multi-tensor copy back) itself."""
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    return stage == 0 and pipeline_stages == 1 and weights_precision(ds_config) == "fp32" and precision != "fp16"
+
+
 def autocast_enabled(ds_config: dict) -> bool:
     """Mixed precision the torch way (``torch_autocast``): fp32 weights, gradients and optimizer; the
     forward's matrix work in bf16/fp16 under ``torch.autocast``."""
@@ -170,11 +182,9 @@ def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_ac
                                 "dtype": "bf16" if precision == "fp32" else precision}
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision == "bf16" and not autocast}
     ds["fp16"] = {**ds.get("fp16", {}), "enabled": precision == "fp16" and not autocast}
-    stage = (ds.get("zero_optimization") or {}).get("stage", 0)
-    if stage == 0 and cfg.pipeline.stages == 1 and weights_precision(ds) == "fp32" and precision != "fp16":
-        # fp32 weights with whole gradients in .grad (no ZeRO partitions, no fp16 loss scale): the trainer
-        # clips with one fused norm over all of them (trainer_clip_norm) where DeepSpeed would take one
-        # norm per parameter tensor, a few hundred launches a step.
+    if whole_fp32_grads(ds, cfg.pipeline.stages, precision):
+        # The trainer clips with one fused norm over all of them (trainer_clip_norm) where DeepSpeed would
+        # take one norm per parameter tensor, a few hundred launches a step.
         ds["gradient_clipping"] = 0.0
     if precision == "fp16" and not autocast:
         ds["fp16"].setdefault("loss_scale", 0)  # dynamic loss scaling

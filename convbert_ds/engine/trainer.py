@@ -20,6 +20,7 @@ from convbert_ds.engine.downstream_probe import DownstreamProbes
 from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
 from convbert_ds.engine.pipeline import build_pipeline_module, load_plain_state_dict, pipeline_batch, pipeline_metrics
 from convbert_ds.engine.metrics_log import MetricsLog
+from convbert_ds.engine.optimizer_step import OptimizerStep
 from convbert_ds.engine.plan import RunPlan
 from convbert_ds.engine.profiling import StepProfiler
 from convbert_ds.engine.progress import RunProgress
@@ -46,24 +47,6 @@ class TrainingError(RuntimeError):
 
 # The name train.py and job scripts know: it catches SIGUSR1/SIGTERM from the start (see step_guard.py).
 Preemption = StepGuard
-
-
-def clip_then_step(engine, max_norm: float, last_norm: torch.Tensor | None) -> torch.Tensor | None:
-    """``engine.step()`` (after every micro-batch: DeepSpeed steps at the accumulation boundary), first
-    clipping the whole gradient with one fused norm when ``max_norm`` > 0 (``plan.trainer_clip_norm``).
-    Returns that norm, a device tensor read only on logging steps; ``last_norm`` between boundaries."""
-    if max_norm > 0 and engine.is_gradient_accumulation_boundary():
-        last_norm = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), max_norm)  # foreach where it can
-    engine.step()
-    return last_norm
-
-
-def skip_lone_allreduce(engine, zero_stage: int, data_parallel_size: int) -> None:
-    """One data-parallel rank at ZeRO-0: DeepSpeed's gradient all-reduce would still flatten the gradients,
-    reduce them over that one rank and copy them back, one copy per parameter tensor, to the values they
-    had; it is turned off. (ZeRO-1/2 move the gradients into their partitions there: kept.)"""
-    if zero_stage == 0 and data_parallel_size == 1:
-        engine.enable_backward_allreduce = False
 
 
 def format_line(step: int, steps: int, m: dict) -> str:
@@ -131,12 +114,14 @@ class Trainer:
             model, cfg.train.weight_decay), config=self.ds_config)
         self.device = self.engine.device
         self.graphs.capture(self.engine.module, self.device, announce=dist.get_rank() == 0)
+        self.optimizer_step = None  # the pipeline engine steps inside train_batch
         if self.pipelined:
             self.dp_rank = self.engine.grid.get_data_parallel_rank()
             self.dp_size = self.engine.grid.get_data_parallel_world_size()
         else:
             self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
-            skip_lone_allreduce(self.engine, self.plan.zero_stage, self.dp_size)
+            self.optimizer_step = OptimizerStep(self.engine, self.plan.trainer_clip_norm, self.plan.zero_stage,
+                                                self.dp_size, self.plan.whole_fp32_grads)
         self.is_logger = dist.get_rank() == 0
         data = cfg.data  # data.sets is not read again: self.sets is what the plan parsed and checked
         loader = partial(build_dataloader, self.sets, seq_len=data.seq_len, micro_batch_size=self.plan.micro_batch_size,
@@ -156,7 +141,6 @@ class Trainer:
             self.valid_loader = loader("valid", max_samples=cfg.eval.samples)
         self.ckpt_dir = Path(cfg.checkpoint.dir)
         self.step, self.nonfinite_total = 0, 0
-        self.grad_norm = None  # the last clipped norm, when the trainer clips (a device tensor until logged)
         self.phase = dict(FIRST_PHASE)  # which phase this run is, and what the earlier ones saw
         self._resume()
         if self.step == 0:  # a resumed run has its RNG states back from the checkpoint
@@ -283,7 +267,7 @@ class Trainer:
                     for key, value in out.metric_tensors().items():
                         sums[key] = sums[key] + value if key in sums else value
                     count += 1
-            self.grad_norm = clip_then_step(self.engine, self.plan.trainer_clip_norm, self.grad_norm)
+            self.optimizer_step()
         if not sums:
             return {}
         values = (torch.stack(list(sums.values())) / count).tolist()  # the step's one read of its metrics
@@ -444,7 +428,7 @@ class Trainer:
         t = self.cfg.train
         samples_per_s = t.global_batch_size / step_seconds
         tflops = self.flops_per_sample * samples_per_s / dist.get_world_size() / 1e12
-        grad_norm = self.grad_norm if self.plan.trainer_clip_norm else self.engine.get_global_grad_norm()
+        grad_norm = self.optimizer_step.norm if self.plan.trainer_clip_norm else self.engine.get_global_grad_norm()
         metrics = {**metrics, "lr": self.engine.get_lr()[0],
                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
                    "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self.cfg.data.seq_len,

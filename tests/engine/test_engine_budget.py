@@ -1,7 +1,7 @@
 """What the trainer's optimizer step asks of the device, counted: a real engine on one gloo rank, with the
 DeepSpeed config the trainer builds (``build_ds_config``) from ``ds_configs/zero1_bf16.json``,
 ``zero0_fp32.json`` and ``zero0_autocast_bf16.json``, the ``tiny`` model, a [2, 64] batch, stepped as the
-trainer steps it (``clip_then_step``: its own fused clipping where DeepSpeed's is off, then
+trainer steps it (``OptimizerStep``: its own fused clipping where DeepSpeed's is off, then
 ``engine.step()``). The counts are dispatched ops (about one kernel launch each) and host-device syncs
 (``OpCounter``, which also counts DeepSpeed's accelerator ``synchronize()``), taken on the third step.
 
@@ -67,7 +67,7 @@ def _measure(runs: list[tuple[str, bool]]) -> dict:
 
     from convbert_ds.config import ElectraConfig
     from convbert_ds.engine.distributed import init_process_group
-    from convbert_ds.engine.trainer import clip_then_step, skip_lone_allreduce
+    from convbert_ds.engine.optimizer_step import OptimizerStep
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.op_count import OpCounter
     from convbert_ds.model.optim import param_groups
@@ -80,7 +80,7 @@ def _measure(runs: list[tuple[str, bool]]) -> dict:
                                                                 max_position_embeddings=512))
         ds, clip = _ds_config(name, lean)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01), config=ds)
-        skip_lone_allreduce(engine, engine.zero_optimization_stage(), 1)  # as the trainer does on one rank
+        optimizer_step = OptimizerStep(engine, clip, engine.zero_optimization_stage())  # one rank, as the trainer
         ids = torch.randint(5, 1000, (2, 64))
         mask, types = torch.ones_like(ids), torch.zeros_like(ids)
         for _ in range(3):
@@ -89,7 +89,7 @@ def _measure(runs: list[tuple[str, bool]]) -> dict:
                 out = engine(ids, mask, types, check=False)
                 engine.backward(out.loss)
             with step:  # the trainer's step: its own clipping, where it clips, then DeepSpeed's
-                clip_then_step(engine, clip, None)
+                optimizer_step()
         results[f"{name}/{'lean' if lean else 'before'}"] = {
             "step": [step.total, step.syncs], "optimizer": type(engine.optimizer).__name__,
             "fused": engine.basic_optimizer.defaults.get("fused"), "tensors": sum(1 for _ in model.parameters()),

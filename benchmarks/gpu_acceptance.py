@@ -282,7 +282,8 @@ class Acceptance:
         from convbert_ds.engine.distributed import free_port
 
         on_gpu = self.scale is GPU
-        spec = CPU_SMOKE_RUNS[0] if not on_gpu else PretrainRun("small", "bf16", "triton", False)
+        # The paper configs' DeepSpeed file: its gradient all-reduce is the trainer's own (optimizer_step.py).
+        spec = CPU_SMOKE_RUNS[0] if not on_gpu else PretrainRun("small", "bf16", "triton", False, ds_config=AUTOCAST)
         run_dir = self.work / "nccl"
         command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
                    free_port(), "-m", "convbert_ds.train",

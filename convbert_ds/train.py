@@ -93,9 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     backend = distributed.init_process_group()
     if dist.get_rank() == 0:
+        compiled = cfg.train.compile_mode if cfg.train.compile else "off"
         print(f"launcher={launcher} world_size={dist.get_world_size()} backend={backend} "
               f"precision={plan.precision} zero_stage={plan.zero_stage} "
-              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum}", flush=True)
+              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled}", flush=True)
+        if cfg.train.compile:  # otherwise minutes of silence before the first log line look like a hang
+            print(f"note: train.compile=true: the first step and the first evaluation compile the model first "
+                  f"(compile_mode={compiled}: about 2 minutes for ConvBERT-base on a GPU); train.compile=false "
+                  "starts at once, slower per step", flush=True)
     try:
         trainer.setup()
         code = trainer.train(preemption)

@@ -63,6 +63,10 @@ def test_compiled_training_follows_eager(runs, layout, mode):
         for key in ("loss", "mlm_loss", "rtd_loss", "grad_norm"):
             assert _close(a[key], b[key], TOLERANCE[layout]), (layout, a["step"], key, a[key], b[key])
     assert "compiled_graphs" not in eager[0]
+    # The start line says what compiles, and a note says why the first log line waits.
+    said, quiet = runs[layout, mode][1], runs[layout, "eager"][1]
+    assert f"compile={'step' if mode == 'step' else 'layers'}" in said and "the first step and the first" in said
+    assert "compile=off" in quiet and "the first step and the first" not in quiet
     assert "cuda_graphs" not in compiled[0]  # logged where CUDA graphs are asked for: on GPUs, with ``step``
 
 

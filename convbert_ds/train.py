@@ -80,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: {line}", file=sys.stderr)
     if args.print_config:
         print(json.dumps(dataclasses.asdict(plan), indent=2, default=str))
+    compiled = cfg.train.compile_mode if cfg.train.compile else "off"
     if args.check_config:
         print(f"config valid for {world_size} processes: precision={plan.precision} zero_stage={plan.zero_stage} "
-              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum}")
+              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled}")
         print(f"checkpoint_dir={cfg.checkpoint.dir}")  # the line the Slurm scripts read
     if args.print_config or args.check_config:
         restore()
@@ -93,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     backend = distributed.init_process_group()
     if dist.get_rank() == 0:
-        compiled = cfg.train.compile_mode if cfg.train.compile else "off"
         print(f"launcher={launcher} world_size={dist.get_world_size()} backend={backend} "
               f"precision={plan.precision} zero_stage={plan.zero_stage} "
               f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled}", flush=True)

@@ -189,7 +189,8 @@ def test_check_print_and_help_modes_start_nothing(tiny_corpus, tmp_path):
                                *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
 
     ok = train_cli("--check-config", "--world-size", "2")
-    assert ok.returncode == 0 and f"checkpoint_dir={tmp_path}/ck" in ok.stdout and "grad_accum=1" in ok.stdout
+    assert ok.returncode == 0 and f"checkpoint_dir={tmp_path}/ck" in ok.stdout
+    assert "grad_accum=1 compile=off" in ok.stdout
     bad = train_cli("--check-config", "--world-size", "3")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("config error (3 processes): train.global_batch_size")
     printed = train_cli("--print-config", "--world-size", "1").stdout

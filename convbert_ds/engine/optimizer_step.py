@@ -7,7 +7,7 @@ autocast; no pipeline, no fp16 loss scale; ``plan.whole_fp32_grads``):
 
 - **the all-reduce.** DeepSpeed's (``engine.allreduce_gradients``, inside ``backward``) flattens the
   gradients, all-reduces the flat tensor and copies it back one parameter tensor at a time: a copy kernel
-  per tensor (575 for ConvBERT-base) every step. Here the same flatten and all-reduce (DeepSpeed's
+  per tensor (568 for ConvBERT-base) every step. Here the same flatten and all-reduce (DeepSpeed's
   ``allreduce_bucket``, so its averaging and ``communication_data_type`` hold) and one multi-tensor copy
   back. The reduced values are the same.
 - **the clipping**: one fused norm over all tensors (``plan.trainer_clip_norm``; DeepSpeed's is off).
@@ -27,11 +27,11 @@ class OptimizerStep:
         """``max_norm``: ``plan.trainer_clip_norm`` (0: DeepSpeed clips, or nothing is clipped)."""
         self.engine, self.max_norm = engine, max_norm
         self.norm: torch.Tensor | None = None  # the last clipped norm (a device tensor, read on logging steps)
-        self.params: list[torch.nn.Parameter] = []  # whose gradients the trainer all-reduces, when it does
+        self.params: list[torch.nn.Parameter] = []  # whose gradients the trainer all-reduces; empty: none
         if zero_stage == 0 and (dp_size == 1 or whole_fp32_grads):
-            engine.enable_backward_allreduce = False
-        if zero_stage == 0 and dp_size > 1 and whole_fp32_grads:
-            self.params = [p for p in engine.module.parameters() if p.requires_grad]
+            engine.enable_backward_allreduce = False  # nothing to reduce, or the trainer reduces
+            if dp_size > 1:
+                self.params = [p for p in engine.module.parameters() if p.requires_grad]
 
     def __call__(self) -> None:
         if self.engine.is_gradient_accumulation_boundary():
@@ -42,9 +42,11 @@ class OptimizerStep:
         self.engine.step()
 
     def _all_reduce(self) -> None:
+        # A Python pass over the parameters (DeepSpeed's own reduce makes one too), no device op per tensor:
+        # a missing gradient is zero-filled, as DeepSpeed does, so every rank reduces the same tensors.
         grads = []
         for p in self.params:
-            if p.grad is None:  # as DeepSpeed does: every rank reduces the same tensors, in the same order
+            if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         # The group and the averaging of DeepSpeed's own ZeRO-0 all-reduce (_reduce_non_expert_gradients).

@@ -5,7 +5,7 @@ the trainer at the accumulation boundary. Both then clip with the trainer's fuse
 
 What must hold: the same weights after every step, bit for bit (the same flatten and all-reduce, only the
 copy back differs), and the copy back as one multi-tensor op where DeepSpeed's is one ``copy_`` per
-parameter tensor (110 for the tiny model; 575 for ConvBERT-base).
+parameter tensor (110 for the tiny model; 568 for ConvBERT-base).
 """
 
 import json

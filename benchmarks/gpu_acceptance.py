@@ -21,7 +21,8 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and
    without inductor's graph partitioning, the step captured by hand (``train.cuda_graphs: capture``);
    samples/s, tokens/s and MFU are the medians of the trainer's own ``metrics.jsonl`` after warm-up, with
-   the CUDA graphs the step recorded (the most telling runs first).
+   the CUDA graphs the step recorded (the most telling runs first). The headline rows then profile 3 more
+   steps (``train.profile``): the device's busy time against the wall time, the top kernels and host ops.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0, leaving RESULTS.md untouched.
@@ -62,6 +63,7 @@ class PretrainRun:
     ds_config: str = "zero1_bf16"  # ds_configs/NAME.json, precision overridden
     graph_partition: bool = True  # False: TORCHINDUCTOR_GRAPH_PARTITION=0 (inductor then reports CUDA-graph skips)
     cuda_graphs: str = "inductor"  # train.cuda_graphs: inductor, capture (by hand) or off
+    profile: bool = False  # after the timed steps, PROFILED_STEPS more under train.profile (not in the medians)
 
     @property
     def compile_label(self) -> str:
@@ -70,6 +72,7 @@ class PretrainRun:
         return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
 
 
+PROFILED_STEPS = 3
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
 TRAIN_STEP_BASE = ("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision", "bf16",
                    "--ds-config", AUTOCAST)
@@ -77,11 +80,13 @@ TRAIN_STEP_BASE = ("--preset", "base", "--batch", "64", "--seq", "128", "--steps
 # CUDA graphs, the whole step compiled (inductor's CUDA graphs, then captured by hand), the compiled step
 # without inductor's graph partitioning (on the H200 the compiled step captured no CUDA graph); then ZeRO-1
 # bf16 on the same machine, then what each other switch changes, one at a time (the budget rarely reaches the
-# last ones: the most telling come first).
-GPU_RUNS = [PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST),
+# last ones: the most telling come first). The eager and the two compiled autocast rows are also profiled:
+# where the step's time goes, kernel by kernel, on the paper configs' path.
+GPU_RUNS = [PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, profile=True),
             PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, cuda_graphs="capture"),
-            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST),
-            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, cuda_graphs="capture"),
+            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True),
+            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, cuda_graphs="capture",
+                        profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False),
             PretrainRun("base", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", True, "step"),
             PretrainRun("small", "bf16", "triton", False), PretrainRun("base", "bf16", "triton", False, seq=512),
@@ -91,7 +96,7 @@ GPU_RUNS = [PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST),
             PretrainRun("base", "fp16", "triton", False), PretrainRun("small", "bf16", "torch", False),
             PretrainRun("base", "fp16", "triton", True), PretrainRun("small", "fp16", "triton", False),
             PretrainRun("base", "bf16", "torch", True)]
-CPU_SMOKE_RUNS = [PretrainRun("tiny", "fp32", "torch", False), PretrainRun("tiny", "fp32", "torch", True)]
+CPU_SMOKE_RUNS = [PretrainRun("tiny", "fp32", "torch", False, profile=True), PretrainRun("tiny", "fp32", "torch", True)]
 
 
 @dataclass(frozen=True)
@@ -193,11 +198,20 @@ class Acceptance:
         rows = ["| preset | seq x batch | DeepSpeed file | precision | SDConv | compile | samples/s | tokens/s | "
                 "TFLOP/s | MFU | first step (s) | CUDA graphs |",
                 "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+        profiles = []
         for spec in self.scale.runs:
-            figures = self._pretrain_one(spec, shards)
+            figures, profile = self._pretrain_one(spec, shards)
             seq, batch = self._shape(spec)
-            rows.append(f"| {spec.preset} | {seq} x {batch} | {spec.ds_config} | {spec.precision} | {spec.sdconv} | "
-                        f"{spec.compile_label} | " + " | ".join(figures) + " |")
+            label = (f"{spec.preset} | {seq} x {batch} | {spec.ds_config} | {spec.precision} | {spec.sdconv} | "
+                     f"{spec.compile_label}")
+            rows.append(f"| {label} | " + " | ".join(figures) + " |")
+            if profile:
+                profiles += ["", f"`{label}`:", "", _fenced(profile)]
+        if profiles:
+            profiles.insert(0, f"\nProfiles of the rows marked for it: {PROFILED_STEPS} steps after the timed ones "
+                               "(`train.profile.start_step=STEPS+1`), as the trainer prints them at the end of the "
+                               "window (wall time per step, the profiler's own cost included, against the device's "
+                               "busy time; the kernels and the host ops that took the most):")
         s = self.scale
         return "\n".join([f"Global batch {s.batch} x seq {s.seq} (longer sequences: the same tokens per step), "
                           f"one process, {s.steps} steps, the DeepSpeed file of each row (`ds_configs/NAME.json`, "
@@ -210,7 +224,7 @@ class Acceptance:
                           f"recorded after warm-up (`cuda_graphs` in metrics.jsonl; 2 or more when captured, 0 "
                           f"when it runs kernel by kernel, A -> B when it re-records); no partition: "
                           f"`TORCHINDUCTOR_GRAPH_PARTITION=0`; capture: the step captured by hand "
-                          f"(`train.cuda_graphs=capture`).", "", *rows])
+                          f"(`train.cuda_graphs=capture`).", "", *rows, *profiles])
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
@@ -231,10 +245,13 @@ class Acceptance:
         return seq, max(1, self.scale.batch * self.scale.seq // seq)
 
     def _train_args(self, spec: PretrainRun, shards: Path, run_dir: Path, steps: int) -> list[str]:
-        """``convbert_ds.train``'s arguments for one throughput run (one process: micro = global batch)."""
+        """``convbert_ds.train``'s arguments for one throughput run (one process: micro = global batch); a
+        profiled run goes on for PROFILED_STEPS steps after ``steps``, under the profiler."""
         seq, batch = self._shape(spec)
         config = REPO / "configs" / ("tiny_cpu.yaml" if spec.preset == "tiny" else f"{spec.preset}.yaml")
-        return ["--config", str(config),
+        profile = [f"train.profile.start_step={steps + 1}", f"train.profile.steps={PROFILED_STEPS}"]
+        steps += PROFILED_STEPS if spec.profile else 0
+        return ["--config", str(config), *(profile if spec.profile else []),
                 f"data.sets=[{{path: '{shards}', weight: 1.0}}]", f"data.seq_len={seq}",
                 "data.num_workers=2", f"train.global_batch_size={batch}", f"train.micro_batch_size={batch}",
                 f"train.steps={steps}", "train.warmup_steps=1",
@@ -245,26 +262,31 @@ class Acceptance:
                 # Every 5 steps: a logging step reads its metrics back (a sync), the steps between do not.
                 f"log.dir={run_dir / 'logs'}", f"log.interval={self.scale.log_interval}", "eval.interval=0"]
 
-    def _pretrain_one(self, spec: PretrainRun, shards: Path) -> list[str]:
+    def _pretrain_one(self, spec: PretrainRun, shards: Path) -> tuple[list[str], list[str]]:
+        """The row's figures, and the profile summary the trainer printed (empty when not profiled)."""
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{self._shape(spec)[0]}_"
                 f"{spec.ds_config}{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")
         run_dir = self.work / name
-        code, _, _ = self.run(name, [sys.executable, "-m", "convbert_ds.train",
-                                  *self._train_args(spec, shards, run_dir, self.scale.steps)],
-                              limit_s=200 if spec.compile else 120,  # compiling base took ~150 s on an H100
-                              env=None if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"})
+        code, stdout, output = self.run(name, [sys.executable, "-m", "convbert_ds.train",
+                                              *self._train_args(spec, shards, run_dir, self.scale.steps)],
+                                        limit_s=200 if spec.compile else 120,  # compiling base: ~150 s on an H100
+                                        env=None if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"})
         try:
             rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
         except OSError:
             rows = []
         finally:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # gigabytes for base; only figures matter
-        rows = [row for row in rows if row.get("split") == "train"]
+        rows = [row for row in rows if row.get("split") == "train" and row["step"] <= self.scale.steps]
         steady = rows[self.scale.warmup_rows:]
-        if code != 0 or not steady:
-            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 5
+        profile = _profile_summary(stdout)
+        timed = bool(steady) and steady[-1]["step"] >= self.scale.steps
+        if code != 0 and timed and spec.profile:  # the timed steps are whole; only the profiled ones failed
+            profile = ["the run stopped in its profile window:", *output.strip().splitlines()[-8:]]
+        elif code != 0 or not steady:
+            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 5, profile
         first = self._shape(spec)[1] / rows[0]["samples_per_s"]
 
         def median(key: str, fmt: str) -> str:
@@ -276,14 +298,15 @@ class Acceptance:
         graphs_cell = ("-" if not graphs else str(graphs[0]) if graphs[0] == graphs[-1]
                        else f"{graphs[0]} -> {graphs[-1]}")
         return [median("samples_per_s", ",.0f"), median("tokens_per_s", ",.0f"), median("tflops", ".1f"),
-                median("mfu", ".1%"), f"{first:.1f}", graphs_cell]
+                median("mfu", ".1%"), f"{first:.1f}", graphs_cell], profile
 
     def nccl(self) -> str:
         from convbert_ds.engine.distributed import free_port
 
         on_gpu = self.scale is GPU
         # The paper configs' DeepSpeed file: its gradient all-reduce is the trainer's own (optimizer_step.py).
-        spec = CPU_SMOKE_RUNS[0] if not on_gpu else PretrainRun("small", "bf16", "triton", False, ds_config=AUTOCAST)
+        spec = (PretrainRun("tiny", "fp32", "torch", False) if not on_gpu
+                else PretrainRun("small", "bf16", "triton", False, ds_config=AUTOCAST))
         run_dir = self.work / "nccl"
         command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
                    free_port(), "-m", "convbert_ds.train",
@@ -336,6 +359,17 @@ def environment(on_gpu: bool) -> str:
                              capture_output=True, text=True)
         versions.append(f"driver {smi.stdout.strip() or 'unknown'}")
     return f"Device: {device_name(on_gpu)}, {os.cpu_count()} CPU cores; " + ", ".join(versions) + "."
+
+
+def _profile_summary(stdout: str) -> list[str]:
+    """The lines of the trainer's ``profile summary`` (``convbert_ds/engine/profiling.py``), its heading first."""
+    lines = stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("profile summary (")), None)
+    if start is None:
+        return []
+    body = [line[2:] for line in lines[start + 1:]]
+    end = next((i for i, line in enumerate(lines[start + 1:]) if not line.startswith("  ")), len(body))
+    return [lines[start], *body[:end]]
 
 
 def _text(data) -> str:

@@ -5,7 +5,10 @@ What each kind writes, per rank, under ``log.dir/profile/``:
 - ``trace``: the torch profiler's trace of the window (CPU ops, and CUDA kernels on a GPU), as
   ``rank{R}.{time}.pt.trace.json``: TensorBoard's profiler plugin reads the folder
   (``tensorboard --logdir log.dir/profile``), and Chrome's ``chrome://tracing`` or Perfetto open the file.
-  Each step is a ``train step N`` range in it.
+  Each step is a ``train step N`` range in it. Beside it, ``summary_rank{R}.txt``: the window's wall time
+  per step against the device's busy time, and the kernels and host ops that took the most
+  (``device_time_summary``); rank 0 also prints it, so a run says whether it is bound by the host or the
+  device without opening a trace.
 - ``memory``: a CUDA memory snapshot (every allocation of the window with its stack),
   ``memory_rank{R}.pickle``, for https://pytorch.org/memory_viz.
 - ``nvtx``: NVTX ranges for Nsight Systems, one per step (``train step N``) and one per op inside it;
@@ -17,11 +20,15 @@ The window costs nothing outside itself: no profiler object exists before ``star
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import torch
 
 from convbert_ds.formats.train_config import ProfileSection
+
+
+STEP_RANGE = "train step "  # each profiled step's range: "train step N"
 
 
 class StepProfiler:
@@ -32,6 +39,7 @@ class StepProfiler:
         self.out = log_dir / "profile"
         self.trace, self.memory = None, False
         self.step_context: contextlib.ExitStack | None = None
+        self.traced_steps, self.trace_started = 0, 0.0  # for the summary's time per step
 
     def active(self, step: int) -> bool:
         return self.first <= step <= self.last and self.first > 0
@@ -49,11 +57,12 @@ class StepProfiler:
                     activities=[torch.profiler.ProfilerActivity.CPU, *cuda], profile_memory=True,
                     on_trace_ready=torch.profiler.tensorboard_trace_handler(str(self.out), f"rank{self.rank}"))
                 self.trace.start()
+                self.trace_started = _synchronized_clock()
             if "memory" in what:
                 torch.cuda.memory._record_memory_history(max_entries=1_000_000)
                 self.memory = True
         self.step_context = contextlib.ExitStack()
-        name = f"train step {step}"
+        name = f"{STEP_RANGE}{step}"
         if self.trace is not None:
             self.step_context.enter_context(torch.profiler.record_function(name))
         if "nvtx" in what:
@@ -65,6 +74,7 @@ class StepProfiler:
         if not self.active(step):
             return
         self.step_context.close()
+        self.traced_steps += self.trace is not None
         if step == self.last:
             self.close()
 
@@ -73,9 +83,13 @@ class StepProfiler:
         if self.step_context is not None:
             self.step_context.close()
             self.step_context = None
-        wrote = False
+        wrote, summary = False, []
         if self.trace is not None:
+            wall_s = _synchronized_clock() - self.trace_started
             self.trace.stop()  # writes the trace through on_trace_ready
+            if self.traced_steps:
+                summary = device_time_summary(self.trace, self.traced_steps, wall_s)
+                (self.out / f"summary_rank{self.rank}.txt").write_text("\n".join(summary) + "\n")
             self.trace, wrote = None, True
         if self.memory:
             torch.cuda.memory._dump_snapshot(str(self.out / f"memory_rank{self.rank}.pickle"))
@@ -86,6 +100,16 @@ class StepProfiler:
             print(f"profile: steps {self.section.start_step}-{self.section.start_step + self.section.steps - 1} "
                   f"({', '.join(self.section.what)}) written to {self.out} (tensorboard --logdir {self.out}, "
                   "or open a .pt.trace.json in Perfetto)", flush=True)
+            if summary:
+                print(f"profile summary (rank {self.rank}, {self.traced_steps} steps):", *summary, sep="\n  ",
+                      flush=True)
+
+
+def _synchronized_clock() -> float:
+    """Seconds, once the device has finished what it was given: a window's wall time includes its kernels."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def device_time_summary(profile: torch.profiler.profile, steps: int, wall_s: float, top: int = 12) -> list[str]:
@@ -98,12 +122,20 @@ def device_time_summary(profile: torch.profiler.profile, steps: int, wall_s: flo
     busy_us = sum(e.self_device_time_total for e in on_device)
     launches = sum(e.count for e in on_device)
     wall_ms, busy_ms = 1e3 * wall_s / steps, busy_us / 1e3 / steps
-    lines = [f"wall {wall_ms:.1f} ms/step, device busy {busy_ms:.1f} ms/step ({busy_ms / wall_ms:.0%}), "
-             f"{launches / steps:,.0f} kernels and copies/step"]
+    if not on_device:  # a CPU run: no device to be bound by
+        lines = [f"wall {wall_ms:.1f} ms/step; no CUDA kernels recorded (a CPU run: the host does it all)"]
+    else:
+        lines = [f"wall {wall_ms:.1f} ms/step, device busy {busy_ms:.1f} ms/step ({busy_ms / wall_ms:.0%}), "
+                 f"{launches / steps:,.0f} kernels and copies/step"]
     for e in sorted(on_device, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
         lines.append(f"  {e.self_device_time_total / max(busy_us, 1):6.1%} "
                      f"{e.self_device_time_total / 1e3 / steps:8.2f} ms/step x{e.count // steps:<5} {e.key[:90]}")
     lines.append("  host: the ops with the most CPU time of their own")
-    for e in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[:top // 2]:
-        lines.append(f"  {e.self_cpu_time_total / 1e3 / steps:8.2f} ms/step x{e.count // steps:<5} {e.key[:90]}")
+    # The trainer's ``train step N`` ranges hold, as their own time, the Python between the ops: one row.
+    ranges = [e for e in averages if e.key.startswith(STEP_RANGE)]
+    host = [(e.self_cpu_time_total, e.count, e.key) for e in averages if not e.key.startswith(STEP_RANGE)]
+    if ranges:
+        host.append((sum(e.self_cpu_time_total for e in ranges), steps, "(Python between the ops, in the step)"))
+    for self_us, count, key in sorted(host, reverse=True)[:top // 2]:
+        lines.append(f"  {self_us / 1e3 / steps:8.2f} ms/step x{count // steps:<5} {key[:90]}")
     return lines

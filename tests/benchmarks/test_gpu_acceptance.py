@@ -47,6 +47,11 @@ def test_every_part_runs_on_cpu(tmp_path):
         # The table rounds samples/s to a whole number (toy runs: about 35) and tokens/s too: 64 x half a sample.
         assert samples > 0 and abs(tokens - samples * 64) <= 0.5 * 64 + 0.5, row
         assert row.split("|")[12].strip() == "-", row
+    # The marked row's profile window, as the trainer printed it, after the table (its steps not in the medians).
+    profiles = text.split("Profiles of the rows marked for it")[1].split("####")[0]
+    assert "`tiny | 64 x 4 | zero1_bf16 | fp32 | torch | off`:" in profiles
+    assert "profile summary (rank 0, 3 steps):" in profiles and "no CUDA kernels recorded" in profiles
+    assert "host: the ops with the most CPU time of their own" in profiles
     assert "2 processes on one device (gloo): 5 steps of tiny ran and saved." in text
     # A second run appends its own section under the one heading; --parts runs those parts, in that order.
     assert _acceptance("--cpu-smoke", str(out), "--budget", "1", "--parts", "nccl,tests").returncode == 1

@@ -62,3 +62,16 @@ def test_every_part_runs_on_cpu(tmp_path):
     assert "--parts nccl,tests --budget 1" in second and "no time left" in second
     assert [line for line in second.splitlines() if line.startswith("#### ")] == [
         "#### Two processes on one GPU", "#### Kernel, fallback and parity tests"]
+
+
+def test_the_run_without_graph_partitioning_is_skipped_once_the_partitioned_step_captured():
+    from benchmarks.gpu_acceptance import AUTOCAST, PretrainRun, _partitioning_captured
+
+    partitioned = PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST)
+    unpartitioned = PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False)
+    assert _partitioning_captured(partitioned, {}) == ""  # a partitioned run always runs
+    for cell, why in [("2", "the partitioned step recorded 2 CUDA graphs"),
+                      ("2 -> 4", "the partitioned step recorded 2 -> 4 CUDA graphs"),
+                      ("0", ""), ("-", ""), ("", "")]:  # none captured, no CUDA, or the run failed: run it
+        assert _partitioning_captured(unpartitioned, {partitioned: cell}) == why, cell
+    assert _partitioning_captured(unpartitioned, {}) == ""  # the partitioned run is not in the list

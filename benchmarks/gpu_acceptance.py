@@ -368,11 +368,13 @@ def environment(on_gpu: bool) -> str:
 
 def _partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) -> str:
     """Why a run without inductor's graph partitioning would tell nothing (empty: it would): the same run
-    with partitioning already recorded CUDA graphs. The row exists to find out why the partitioned step
-    captured none, which inductor only says with partitioning off."""
+    with partitioning (profiled or not) already recorded CUDA graphs; ``graphs_of``: the CUDA-graphs cell of
+    each run so far. The row exists to find out why the partitioned step captured none, which inductor
+    only says with partitioning off."""
     if spec.graph_partition:
         return ""
-    cell = graphs_of.get(dataclasses.replace(spec, graph_partition=True), "")
+    twin = dataclasses.replace(spec, graph_partition=True, profile=False)
+    cell = next((cell for run, cell in graphs_of.items() if dataclasses.replace(run, profile=False) == twin), "")
     captured = cell.split(" -> ")[-1].isdigit() and int(cell.split(" -> ")[-1]) > 0
     return f"the partitioned step recorded {cell} CUDA graphs" if captured else ""
 

@@ -65,10 +65,12 @@ def test_every_part_runs_on_cpu(tmp_path):
 
 
 def test_the_run_without_graph_partitioning_is_skipped_once_the_partitioned_step_captured():
-    from benchmarks.gpu_acceptance import AUTOCAST, PretrainRun, _partitioning_captured
+    from benchmarks.gpu_acceptance import AUTOCAST, GPU_RUNS, PretrainRun, _partitioning_captured
 
-    partitioned = PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST)
+    # The GPU list's own pair, in this order: the partitioned run is profiled, the other not.
+    partitioned = PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True)
     unpartitioned = PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False)
+    assert GPU_RUNS.index(partitioned) < GPU_RUNS.index(unpartitioned)
     assert _partitioning_captured(partitioned, {}) == ""  # a partitioned run always runs
     for cell, why in [("2", "the partitioned step recorded 2 CUDA graphs"),
                       ("2 -> 4", "the partitioned step recorded 2 -> 4 CUDA graphs"),

@@ -40,4 +40,5 @@ def test_a_subset_of_rows_timed_and_profiled(tiny_corpus, tmp_path):
     assert "DeepSpeed engine / plain PyTorch:" in result.stdout
     for row in ("plain", "deepspeed"):  # each row's trace, and its device-vs-wall line
         assert (tmp_path / "traces" / f"{row}.pt.trace.json.gz").stat().st_size > 1000
-    assert result.stdout.count("kernels and copies/step") == 2, result.stdout
+    # On CPU the wall-time line says there is no device time to set against it.
+    assert result.stdout.count("no CUDA kernels recorded (a CPU run: the host does it all)") == 2, result.stdout

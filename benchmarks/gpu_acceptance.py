@@ -268,16 +268,16 @@ class Acceptance:
                 f"log.dir={run_dir / 'logs'}", f"log.interval={self.scale.log_interval}", "eval.interval=0"]
 
     def _pretrain_one(self, spec: PretrainRun, shards: Path) -> tuple[list[str], list[str]]:
-        """The row's figures, and the profile summary the trainer printed (empty when not profiled)."""
+        """The row's figures, and the profile summary the trainer wrote (empty when not profiled)."""
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{self._shape(spec)[0]}_"
                 f"{spec.ds_config}{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")
         run_dir = self.work / name
-        code, stdout, output = self.run(name, [sys.executable, "-m", "convbert_ds.train",
-                                              *self._train_args(spec, shards, run_dir, self.scale.steps)],
-                                        limit_s=200 if spec.compile else 120,  # compiling base: ~150 s on an H100
-                                        env=None if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"})
+        code, _, output = self.run(name, [sys.executable, "-m", "convbert_ds.train",
+                                         *self._train_args(spec, shards, run_dir, self.scale.steps)],
+                                   limit_s=200 if spec.compile else 120,  # compiling base: ~150 s on an H100
+                                   env=None if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"})
         try:
             rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
         except OSError:
@@ -286,7 +286,7 @@ class Acceptance:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # gigabytes for base; only figures matter
         rows = [row for row in rows if row.get("split") == "train" and row["step"] <= self.scale.steps]
         steady = rows[self.scale.warmup_rows:]
-        profile = _profile_summary(stdout)
+        profile = _profile_summary(run_dir / "logs" / "profile" / "summary_rank0.txt")
         timed = bool(steady) and steady[-1]["step"] >= self.scale.steps
         if code != 0 and timed and spec.profile:  # the timed steps are whole; only the profiled ones failed
             profile = ["the run stopped in its profile window:", *output.strip().splitlines()[-8:]]
@@ -379,15 +379,12 @@ def _partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str])
     return f"the partitioned step recorded {cell} CUDA graphs" if captured else ""
 
 
-def _profile_summary(stdout: str) -> list[str]:
-    """The lines of the trainer's ``profile summary`` (``convbert_ds/engine/profiling.py``), its heading first."""
-    lines = stdout.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("profile summary (")), None)
-    if start is None:
+def _profile_summary(path: Path) -> list[str]:
+    """The summary the trainer wrote at the end of its profile window (``convbert_ds/engine/profiling.py``),
+    under the heading it prints it with; empty when the window did not end (or was not asked for)."""
+    if not path.is_file():
         return []
-    body = [line[2:] for line in lines[start + 1:]]
-    end = next((i for i, line in enumerate(lines[start + 1:]) if not line.startswith("  ")), len(body))
-    return [lines[start], *body[:end]]
+    return [f"profile summary (rank 0, {PROFILED_STEPS} steps):", *path.read_text().splitlines()]
 
 
 def _text(data) -> str:

@@ -74,7 +74,8 @@ class StepProfiler:
         if not self.active(step):
             return
         self.step_context.close()
-        self.traced_steps += self.trace is not None
+        if self.trace is not None:
+            self.traced_steps += 1
         if step == self.last:
             self.close()
 

@@ -118,8 +118,11 @@ def device_time_summary(profile: torch.profiler.profile, steps: int, wall_s: flo
     time per step (kernels and copies, summed; one stream) against the wall time per step, the kernels
     launched per step, and the ops that kept the device busiest."""
     averages = profile.key_averages()
-    # Only the device's own rows (kernels, copies): an op's row repeats the time of the kernels it launched.
-    on_device = [e for e in averages if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    # Only the device's own rows (kernels, copies): an op's row repeats the time of the kernels it launched,
+    # and a ``record_function`` range (``train step N``, the optimizer's step) is mirrored on the device's
+    # timeline as a user annotation spanning the kernels inside it, so counting it counts them twice.
+    on_device = [e for e in averages if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+                 and not getattr(e, "is_user_annotation", False)]
     busy_us = sum(e.self_device_time_total for e in on_device)
     launches = sum(e.count for e in on_device)
     wall_ms, busy_ms = 1e3 * wall_s / steps, busy_us / 1e3 / steps

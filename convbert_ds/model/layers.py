@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from convbert_ds.config import ModelConfig
+from convbert_ds.model.depthwise import document_depthwise_conv
 from convbert_ds.model.sdconv import dynamic_conv, same_segment_taps
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # config.hidden_act -> function
@@ -103,11 +104,8 @@ class SeparableConv1D(nn.Module):
         (it lies in another document than its output position)."""
         if taps is None:
             return (self.pointwise(self.depthwise(x.transpose(1, 2))) + self.bias).transpose(1, 2)
-        # Packed documents: the window's taps depend on the position, so no conv1d: each position's K-tap
-        # window (a view), weighted per channel, contracted with its taps (one einsum, not K shifted adds).
-        kernel_size = self.depthwise.kernel_size[0]
-        windows = F.pad(x, (0, 0, kernel_size // 2, kernel_size // 2)).unfold(1, kernel_size, 1)  # [B, T, C, K]
-        mixed = torch.einsum("btck,btk->btc", windows * self.depthwise.weight[:, 0, :], taps.to(x.dtype))
+        # Packed documents: the taps depend on the position, which conv1d cannot mask.
+        mixed = document_depthwise_conv(x, self.depthwise.weight[:, 0, :], taps)
         return F.linear(mixed, self.pointwise.weight[:, :, 0]) + self.bias[:, 0]
 
 

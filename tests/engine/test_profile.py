@@ -52,3 +52,34 @@ def test_profile_windows_that_cannot_work_are_one_line(overrides, message, tiny_
     cfg = load_config(TINY_CONFIG, [f"data.sets=[{{path: '{tiny_corpus['shards']}'}}]", *overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve(cfg, world_size=2, cuda=False)
+
+
+def test_the_device_summary_counts_kernels_once_and_not_the_ranges_mirrored_on_the_device():
+    """A GPU timeline as torch's profiler reports it: ``train step N`` and the optimizer's range appear on
+    the device too, as user annotations spanning the kernels inside them. Counting them made a device
+    "busy" 158-195% of the wall time (H100, 2026-11-26): the busy time is the kernels' and copies' alone."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    from convbert_ds.engine.profiling import STEP_RANGE, device_time_summary
+
+    def event(n, name, start, end, device=DeviceType.CUDA, annotation=False):
+        return FunctionEvent(id=n, name=name, thread=0, start_us=start, end_us=end, device_type=device,
+                             use_device="cuda", is_user_annotation=annotation, stack=[])
+
+    events = []
+    ms = 1000  # the events' times are in microseconds
+    for step in range(2):  # steps of 100 ms: a 30 ms GEMM, a 10 ms copy, and the host op launching them
+        t = 100 * ms * step
+        events += [event(10 * step + 1, f"{STEP_RANGE}{step + 1}", t, t + 90 * ms, annotation=True),
+                   event(10 * step + 2, "Optimizer.step#AdamW.step", t + 60 * ms, t + 90 * ms, annotation=True),
+                   event(10 * step + 3, "gemm_kernel", t, t + 30 * ms),
+                   event(10 * step + 4, "Memcpy DtoD", t + 60 * ms, t + 70 * ms),
+                   event(10 * step + 5, "aten::mm", t, t + 20 * ms, device=DeviceType.CPU)]
+    timeline = EventList(events, use_device="cuda")
+    timeline._build_tree()
+    lines = device_time_summary(timeline, steps=2, wall_s=0.2)
+    assert lines[0] == "wall 100.0 ms/step, device busy 40.0 ms/step (40%), 2 kernels and copies/step"
+    device_rows = lines[1:lines.index("  host: the ops with the most CPU time of their own")]
+    assert [row.split()[-1] for row in device_rows] == ["gemm_kernel", "DtoD"]
+    assert device_rows[0].split()[:2] == ["75.0%", "30.00"]

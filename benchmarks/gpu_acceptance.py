@@ -78,22 +78,22 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 TRAIN_STEP_BASE = ("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision", "bf16",
                    "--ds-config", AUTOCAST)
 # The most telling first (a 15-minute lease reaches the first four or five; compiling base takes about two
-# minutes): base bf16 on the paper configs' path (the autocast file, the whole step compiled): the headline
-# MFU figure, with inductor's CUDA graphs, then captured by hand, then without inductor's graph partitioning
-# (run only when the partitioned step recorded no CUDA graph: on the H200 it recorded none); eager beside
-# it; the paper path for small and at seq 512 (the issue's other figures); ZeRO-1, the former default; then
-# what each other switch changes, one at a time. The headline rows are also profiled: where the step's time
-# goes, kernel by kernel.
-GPU_RUNS = [PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True),
-            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, cuda_graphs="capture",
-                        profile=True),
+# minutes): base bf16 on the paper configs' path (the autocast file, the whole step compiled and captured
+# by hand: what their cuda_graphs=auto picks on one GPU): the headline MFU figure; then with inductor's
+# CUDA graphs instead, and without inductor's graph partitioning (run only when the partitioned step
+# recorded no CUDA graph: on the H200 it recorded none); eager beside them; the paper path for small and
+# at seq 512 (the issue's other figures); ZeRO-1, the former default; then what each other switch
+# changes, one at a time. The headline rows are also profiled: where the step's time goes, kernel by kernel.
+PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture")
+GPU_RUNS = [PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH, profile=True),
+            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False),
             PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, profile=True),
-            PretrainRun("small", "bf16", "triton", True, "step", ds_config=AUTOCAST),
-            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, seq=512),
+            PretrainRun("small", "bf16", "triton", True, "step", **PAPER_PATH),
+            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH, seq=512),
             PretrainRun("base", "bf16", "triton", True, "step"),
-            PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, cuda_graphs="capture"),
-            PretrainRun("small", "bf16", "triton", True, "step", ds_config=AUTOCAST, seq=512),
+            PretrainRun("base", "bf16", "triton", False, **PAPER_PATH),
+            PretrainRun("small", "bf16", "triton", True, "step", **PAPER_PATH, seq=512),
             PretrainRun("base", "bf16", "triton", False), PretrainRun("small", "bf16", "triton", False),
             PretrainRun("base", "bf16", "torch", False), PretrainRun("base", "bf16", "triton", True),
             PretrainRun("base", "fp16", "triton", False), PretrainRun("small", "bf16", "torch", False),

@@ -81,9 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(dataclasses.asdict(plan), indent=2, default=str))
     compiled = cfg.train.compile_mode if cfg.train.compile else "off"
+    # train.cuda_graphs=auto says what it chose, and why when that is not a capture by hand.
+    graphs = f"cuda_graphs={plan.cuda_graphs}" + (f" (auto: {plan.cuda_graphs_why} cannot be captured)"
+                                                  if plan.cuda_graphs_why else "")
     if args.check_config:
         print(f"config valid for {world_size} processes: precision={plan.precision} zero_stage={plan.zero_stage} "
-              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled}")
+              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled} {graphs}")
         print(f"checkpoint_dir={cfg.checkpoint.dir}")  # the line the Slurm scripts read
     if args.print_config or args.check_config:
         restore()
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         print(f"launcher={launcher} world_size={dist.get_world_size()} backend={backend} "
               f"precision={plan.precision} zero_stage={plan.zero_stage} "
-              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled}", flush=True)
+              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled} {graphs}",
+              flush=True)
         if cfg.train.compile:  # otherwise minutes of silence before the first log line look like a hang
             print(f"note: train.compile=true: the first step and the first evaluation compile the model first "
                   f"(compile_mode={compiled}: about 2 minutes for ConvBERT-base on a GPU); train.compile=false "

@@ -64,6 +64,9 @@ class RunPlan:
     tokenizer: dict  # the shards' tokenizer, as their manifest records it
     has_valid: bool  # every shard dir has a validation split
     micro_batch_size: int  # train.micro_batch_size, or global / data-parallel ranks when that is null
+    # train.cuda_graphs resolved (inductor, capture or off: auto decided) and, when auto did not capture, why
+    cuda_graphs: str = "inductor"
+    cuda_graphs_why: str = ""
     # phase.continue_from resolved to one checkpoint, when this run starts from it (its own dir is empty)
     continue_from: Path | None = None
 
@@ -311,15 +314,30 @@ def _check_combinations(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     return micro, t.global_batch_size // per_step
 
 
-def _check_compile(cfg: TrainConfig, ds_config: dict, grad_accum: int) -> None:
+def _check_compile(cfg: TrainConfig, ds_config: dict, grad_accum: int, cuda: bool) -> tuple[str, str]:
     """``compile_mode: step`` puts the whole step in one graph, ``cuda_graphs: capture`` records it as CUDA
-    graphs; what would split the one or break the other is refused up front."""
+    graphs; what would split the one or break the other is refused up front. Returns ``train.cuda_graphs``
+    resolved, and why ``auto`` did not capture (empty when it did, or was not asked)."""
     t = cfg.train
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if t.cuda_graphs == "capture":
-        _check_capture(cfg, stage, grad_accum)
-    if not (t.compile and t.compile_mode == "step"):
-        return
+    refused = _capture_refusals(cfg, stage, grad_accum)
+    if t.cuda_graphs == "capture" and refused:
+        setting, reason = refused[0]
+        raise ConfigError(f"train.cuda_graphs=capture with {setting}: {reason}")
+    mode, why = t.cuda_graphs, ""
+    if mode == "auto":
+        if not cuda:  # nothing to capture, and nothing to note
+            mode = "off"
+        elif refused:  # inductor's trees, where there are any: a compiled step
+            mode, why = "inductor" if t.compile and t.compile_mode == "step" else "off", refused[0][0]
+        else:
+            mode = "capture"
+    if t.compile and t.compile_mode == "step":
+        _check_compile_step(cfg, stage)
+    return mode, why
+
+
+def _check_compile_step(cfg: TrainConfig, stage: int) -> None:
     if cfg.pipeline.stages > 1:
         raise ConfigError(f"train.compile_mode=step with pipeline.stages={cfg.pipeline.stages}: the pipeline engine "
                           "runs the step layer by layer; use train.compile_mode=layers")
@@ -328,9 +346,10 @@ def _check_compile(cfg: TrainConfig, ds_config: dict, grad_accum: int) -> None:
                           "inside the forward, which split the graph; use stage 0-2 or train.compile_mode=layers")
 
 
-def _check_capture(cfg: TrainConfig, stage: int, grad_accum: int) -> None:
-    """What ``model/step_capture.py`` cannot replay (checked on CPU too: the same file runs on the cluster)."""
-    other = "use train.cuda_graphs=inductor or off"
+def _capture_refusals(cfg: TrainConfig, stage: int, grad_accum: int) -> list[tuple[str, str]]:
+    """What ``model/step_capture.py`` cannot replay, as (setting, reason) pairs (checked on CPU too: the same
+    file runs on the cluster)."""
+    other = "use train.cuda_graphs=inductor, auto or off"
     refused = [(cfg.pipeline.stages > 1, f"pipeline.stages={cfg.pipeline.stages}",
                 f"the pipeline engine runs the step layer by layer; {other}"),
                (stage == 3, "zero_optimization.stage=3",
@@ -341,9 +360,7 @@ def _check_capture(cfg: TrainConfig, stage: int, grad_accum: int) -> None:
                 "every replay writes its gradients into the same memory, so the second micro-batch would overwrite "
                 "the first's before they add up; set train.micro_batch_size to train.global_batch_size / ranks, "
                 f"or {other}")]
-    for refuse, setting, reason in refused:
-        if refuse:
-            raise ConfigError(f"train.cuda_graphs=capture with {setting}: {reason}")
+    return [(setting, reason) for refuse, setting, reason in refused if refuse]
 
 
 def _has_valid(path: Path) -> bool:
@@ -449,7 +466,7 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision)
     if cfg.pipeline.stages > 1:
         check_pipeline_ds_config(ds_config)
-    _check_compile(cfg, ds_config, grad_accum)
+    cuda_graphs, cuda_graphs_why = _check_compile(cfg, ds_config, grad_accum, cuda)
     sets = parse_sets(cfg.data.sets)
     train_splits = [open_split(path, "train") for path, _ in sets]
     if cfg.data.verify != "size" and distributed.rank() == 0:
@@ -483,4 +500,4 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
                    electra=electra, sets=sets, tokenizer=first.tokenizer,
                    has_valid=all(_has_valid(path) for path, _ in sets), micro_batch_size=micro_batch_size,
-                   continue_from=continue_from)
+                   continue_from=continue_from, cuda_graphs=cuda_graphs, cuda_graphs_why=cuda_graphs_why)

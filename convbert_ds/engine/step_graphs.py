@@ -20,9 +20,10 @@ from convbert_ds.model.step_capture import CapturedStep, capture_step
 
 
 class StepGraphs:
-    def __init__(self, train: TrainSection, cuda: bool):
-        self.mode = train.cuda_graphs
-        self.trees = train.compile and train.compile_mode == "step" and cuda and train.cuda_graphs == "inductor"
+    def __init__(self, mode: str, train: TrainSection, cuda: bool):
+        """``mode``: ``train.cuda_graphs`` as the plan resolved it (inductor, capture or off)."""
+        self.mode = mode
+        self.trees = train.compile and train.compile_mode == "step" and cuda and mode == "inductor"
         self.captured: CapturedStep | None = None
         self.check_at: int | None = None
 

@@ -79,8 +79,8 @@ class Trainer:
 
     def _build_model(self):
         model, t, cuda = self._build_uncompiled_model(), self.cfg.train, torch.cuda.is_available()
-        self.graphs = StepGraphs(t, cuda)  # a capture by hand is set up in setup(), once the engine is built
-        if (t.compile or t.cuda_graphs == "capture") and cuda:
+        self.graphs = StepGraphs(self.plan.cuda_graphs, t, cuda)  # a capture by hand: setup(), after the engine
+        if (t.compile or self.graphs.mode == "capture") and cuda:
             # sdconv_impl=auto decides per layout by running the kernels once: eagerly, before tracing or
             # capturing.
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)

@@ -152,11 +152,12 @@ class TrainSection:
         "what train.compile compiles: layers = every encoder layer (masking, sampling and losses eager); step = "
         "the whole ELECTRA forward and its backward as one graph with no graph break (CUDA graphs: see "
         "cuda_graphs)")] = "layers"
-    cuda_graphs: Annotated[Literal["inductor", "capture", "off"], Key(
+    cuda_graphs: Annotated[Literal["inductor", "capture", "auto", "off"], Key(
         "CUDA graphs on GPUs, so the host does not queue each kernel (nothing on CPU): inductor = inductor's "
         "CUDA-graph trees for train.compile_mode=step (reduce-overhead; inductor may decline, see cuda_graphs in "
         "the log); capture = the whole ELECTRA forward and backward captured at the first step and replayed, "
-        "eager or compiled (one micro-batch a step, no pipeline, ZeRO 0-2, no activation checkpointing); off = "
+        "eager or compiled (one micro-batch a step, no pipeline, ZeRO 0-2, no activation checkpointing); auto = "
+        "capture where the run allows it, else inductor (the start line says which and why); off = "
         "none")] = "inductor"
     profile: ProfileSection = field(default_factory=ProfileSection)
     max_nonfinite_in_a_row: Annotated[int, Key("stop after this many steps in a row with a non-finite loss, where "

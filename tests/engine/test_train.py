@@ -168,7 +168,7 @@ def test_torchrun_launches_the_same_trainer(tiny_corpus, tmp_path):
      "train.cuda_graphs=capture with train.activation_checkpointing=true"),
     (["train.cuda_graphs=capture", "train.micro_batch_size=4"],
      "train.cuda_graphs=capture with 2 micro-batches per step: every replay"),
-    (["train.cuda_graphs=graphs"], "train.cuda_graphs='graphs': use one of ['inductor', 'capture', 'off']"),
+    (["train.cuda_graphs=graphs"], "train.cuda_graphs='graphs': use one of ['inductor', 'capture', 'auto', 'off']"),
     (["pipeline.stages=2", "deepspeed.config=ds_configs/zero0_autocast_bf16.json", "train.precision=bf16"],
      "torch_autocast.enabled=true with pipeline parallelism: not supported"),
     (["data.seed=-1"], "data.seed=-1: must be >= 0"),
@@ -181,6 +181,22 @@ def test_invalid_configs_are_rejected_before_any_rank_starts(overrides, message,
         resolve(cfg, world_size=2)
 
 
+@pytest.mark.parametrize("overrides, cuda, expected", [
+    ([], True, ("capture", "")),
+    (["train.micro_batch_size=4"], True, ("inductor", "2 micro-batches per step")),
+    (["train.micro_batch_size=4", "train.compile=false"], True, ("off", "2 micro-batches per step")),
+    (["train.activation_checkpointing=true"], True, ("inductor", "train.activation_checkpointing=true")),
+    ([], False, ("off", "")),
+], ids=["one-micro-batch", "accumulation", "accumulation-eager", "recompute", "no-gpu"])
+def test_cuda_graphs_auto_captures_where_the_run_allows_it(overrides, cuda, expected, tiny_corpus):
+    """``train.cuda_graphs=auto`` (the paper configs): a capture by hand, else inductor's trees for a compiled
+    step (none for an eager one), with the setting that ruled the capture out; off without a GPU."""
+    cfg = load_config(TINY_CONFIG, [f"data.sets=[{{path: '{tiny_corpus['shards']}'}}]", "train.cuda_graphs=auto",
+                                    "train.compile=true", "train.compile_mode=step", *overrides])
+    plan = resolve(cfg, world_size=2, cuda=cuda)
+    assert (plan.cuda_graphs, plan.cuda_graphs_why) == expected
+
+
 def test_check_print_and_help_modes_start_nothing(tiny_corpus, tmp_path):
     """--check-config (what the Slurm scripts run), --print-config and --help, from the one typed config."""
     def train_cli(*args):
@@ -190,7 +206,7 @@ def test_check_print_and_help_modes_start_nothing(tiny_corpus, tmp_path):
 
     ok = train_cli("--check-config", "--world-size", "2")
     assert ok.returncode == 0 and f"checkpoint_dir={tmp_path}/ck" in ok.stdout
-    assert "grad_accum=1 compile=off" in ok.stdout
+    assert "grad_accum=1 compile=off cuda_graphs=inductor" in ok.stdout
     bad = train_cli("--check-config", "--world-size", "3")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("config error (3 processes): train.global_batch_size")
     printed = train_cli("--print-config", "--world-size", "1").stdout

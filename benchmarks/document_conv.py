@@ -1,0 +1,108 @@
+"""The span-aware key's depthwise conv over packed documents: the K shifted multiply-adds the model uses
+(``convbert_ds/model/depthwise.py``) against the unfold + einsum it replaced, with torch's depthwise
+``conv1d`` (one document per row: it cannot mask per position) beside them as the floor.
+
+    python benchmarks/document_conv.py                  # CUDA: ConvBERT-base's shape under bf16 autocast; CPU: fp32
+    python benchmarks/document_conv.py --compile        # each variant through torch.compile (the paper configs' path)
+    python benchmarks/document_conv.py --batch 8 --threads 2
+
+Forward + backward of the conv alone, as the model calls it: ``x`` ``[B, T, C]`` in fp32 (a LayerNorm's
+output), the weight ``[C, K]`` in fp32, under autocast on CUDA. Documents of about a third of the
+sequence each. Median of ``--reps`` runs after warm-up, all variants on the same inputs in one process;
+the ratio is each variant's time over the einsum's. The two packed variants are checked equal first.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.model.depthwise import document_depthwise_conv
+from convbert_ds.model.sdconv import same_segment_taps
+
+BASELINE = "unfold + einsum (before)"
+
+
+def unfold_einsum(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """The packed path the model had before: each position's K-tap window (a view), weighted per channel,
+    contracted with its taps."""
+    kernel_size = weight.shape[1]
+    windows = F.pad(x, (0, 0, kernel_size // 2, kernel_size // 2)).unfold(1, kernel_size, 1)  # [B, T, C, K]
+    return torch.einsum("btck,btk->btc", windows * weight, taps.to(x.dtype))
+
+
+def conv1d_one_document(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    kernel_size = weight.shape[1]
+    return F.conv1d(x.transpose(1, 2), weight[:, None, :], padding=kernel_size // 2,
+                    groups=x.shape[2]).transpose(1, 2)
+
+
+VARIANTS = {"conv1d, one document (no mask)": conv1d_one_document, BASELINE: unfold_einsum,
+            "shifted multiply-adds (now)": document_depthwise_conv}
+
+
+def median_ms(fn, x, weight, taps, grad_out, reps: int, cuda: bool) -> float:
+    def once():
+        out = fn(x, weight, taps)
+        torch.autograd.grad(out, (x, weight), grad_out.to(out.dtype))
+
+    for _ in range(3):  # warm-up (and compiling)
+        once()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        once()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=bounded(int, min=1), default=None, help="default: 128 on CUDA, 8 on CPU")
+    parser.add_argument("--seq", type=bounded(int, min=8), default=128)
+    parser.add_argument("--channels", type=bounded(int, min=1), default=768, help="hidden size (base: 768)")
+    parser.add_argument("--kernel", type=bounded(int, min=1), default=9, help="conv kernel size K (odd)")
+    parser.add_argument("--reps", type=bounded(int, min=1), default=20)
+    parser.add_argument("--compile", action="store_true", help="each variant through torch.compile (inductor)")
+    parser.add_argument("--threads", type=bounded(int, min=1), default=None)
+    args = parser.parse_args(argv)
+    if args.kernel % 2 == 0:
+        parser.error(f"--kernel {args.kernel}: the conv needs an odd kernel size (ConvBERT's is 9)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    batch = args.batch or (128 if cuda else 8)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(batch, args.seq, args.channels, device=device, generator=gen, requires_grad=True)
+    weight = torch.randn(args.channels, args.kernel, device=device, generator=gen, requires_grad=True)
+    grad_out = torch.randn(batch, args.seq, args.channels, device=device, generator=gen)
+    documents = (torch.arange(args.seq, device=device) // max(1, args.seq // 3) + 1).expand(batch, -1)
+    taps = same_segment_taps(documents, args.kernel)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    variants = {name: torch.compile(fn) if args.compile else fn for name, fn in VARIANTS.items()}
+    with autocast:
+        ours, before = (variants[name](x, weight, taps).float() for name in (list(VARIANTS)[2], BASELINE))
+        worst = ((ours - before).abs().max() / before.abs().max()).item()
+        times = {name: median_ms(fn, x, weight, taps, grad_out, args.reps, cuda) for name, fn in variants.items()}
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"device={name} batch={batch} seq={args.seq} channels={args.channels} K={args.kernel} "
+          f"precision={'bf16 autocast' if cuda else 'fp32'} compile={'on' if args.compile else 'off'} "
+          f"threads={torch.get_num_threads()} reps={args.reps}")
+    print(f"the two packed variants agree to {worst:.1e} (largest difference over the largest output)")
+    print(f"{'variant':<34}{'fwd+bwd (ms)':>14}{'/ einsum':>10}")
+    for variant, ms in times.items():
+        print(f"{variant:<34}{ms:>14.3f}{ms / times[BASELINE]:>10.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))

@@ -1,0 +1,41 @@
+"""``benchmarks/document_conv.py`` and ``benchmarks/step_ops.py`` end to end on CPU, at toy sizes: the
+variants and rows each report, side by side, with their ratio."""
+
+from __future__ import annotations
+
+import sys
+
+from launch import REPO, env, run_group
+
+
+def run(script: str, *args: str) -> list[str]:
+    result = run_group([sys.executable, str(REPO / "benchmarks" / script), *args], timeout=300, cwd=REPO, env=env())
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout.splitlines()
+
+
+def test_document_conv_times_the_three_variants_against_the_einsum():
+    lines = run("document_conv.py", "--batch", "2", "--seq", "32", "--channels", "16", "--reps", "2",
+                "--threads", "1")
+    agree = next(line for line in lines if line.startswith("the two packed variants agree to"))
+    assert float(agree.split()[6]) < 1e-5, agree  # fp32: the same sums in another order
+    header = lines.index(next(line for line in lines if line.startswith("variant")))
+    rows = {line[:34].strip(): line[34:].split() for line in lines[header + 1:header + 4]}
+    assert list(rows) == ["conv1d, one document (no mask)", "unfold + einsum (before)", "shifted multiply-adds (now)"]
+    assert rows["unfold + einsum (before)"][1] == "1.00"
+    assert all(float(ms) > 0 and float(ratio) > 0 for ms, ratio in rows.values()), rows
+
+
+def test_document_conv_refuses_an_even_kernel():
+    result = run_group([sys.executable, str(REPO / "benchmarks" / "document_conv.py"), "--kernel", "8"],
+                       timeout=120, cwd=REPO, env=env())
+    assert result.returncode == 2 and "--kernel 8: the conv needs an odd kernel size" in result.stderr
+
+
+def test_step_ops_profiles_one_document_and_packed_samples():
+    lines = run("step_ops.py", "--top", "3")
+    times = [line for line in lines if "ms/step of host time" in line]
+    assert [line.split(":")[0] for line in times] == ["one document per sample", "packed"], lines
+    assert all(float(line.split()[-5]) > 0 for line in times), times
+    assert any("Input Shapes" in line for line in lines)  # the table grouped by shape
+    assert lines[-1].startswith("packed / one document: ")

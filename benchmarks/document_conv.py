@@ -28,6 +28,12 @@ from convbert_ds.model.sdconv import same_segment_taps
 BASELINE = "unfold + einsum (before)"
 
 
+def three_documents_per_sample(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """``document_ids`` ``[batch, seq]`` of samples packed from three documents of about a third each (ids 1-3;
+    a remainder of ``seq`` past three thirds is a fourth)."""
+    return (torch.arange(seq, device=device) // max(1, seq // 3) + 1).expand(batch, -1).contiguous()
+
+
 def unfold_einsum(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     """The packed path the model had before: each position's K-tap window (a view), weighted per channel,
     contracted with its taps."""
@@ -86,8 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(batch, args.seq, args.channels, device=device, generator=gen, requires_grad=True)
     weight = torch.randn(args.channels, args.kernel, device=device, generator=gen, requires_grad=True)
     grad_out = torch.randn(batch, args.seq, args.channels, device=device, generator=gen)
-    documents = (torch.arange(args.seq, device=device) // max(1, args.seq // 3) + 1).expand(batch, -1)
-    taps = same_segment_taps(documents, args.kernel)
+    taps = same_segment_taps(three_documents_per_sample(batch, args.seq, device), args.kernel)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
     variants = {name: torch.compile(fn) if args.compile else fn for name, fn in VARIANTS.items()}
     with autocast:

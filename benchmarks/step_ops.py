@@ -14,14 +14,19 @@ The model alone, with torch's fused AdamW: no DeepSpeed, no data loader.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
-from convbert_ds.config import PRESET_NAMES, ElectraConfig, generator_config, preset, preset_generator_multiplier
-from convbert_ds.model import ElectraForPretraining
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/step_ops.py` finds its siblings
 
-VOCAB = 30522
+from benchmarks.document_conv import three_documents_per_sample  # noqa: E402
+from benchmarks.train_step import electra_config_for  # noqa: E402
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
+from convbert_ds.config import PRESET_NAMES  # noqa: E402
+from convbert_ds.model import ElectraForPretraining  # noqa: E402
+
+VOCAB, SPECIAL_IDS = 30522, {"pad": 0, "cls": 2, "sep": 3, "mask": 4}
 
 
 def profile_step(model, optimizer, inputs: dict, steps: int, cuda: bool):
@@ -55,17 +60,15 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     name, batch, seq = args.preset or ("base" if cuda else "tiny"), args.batch or (128 if cuda else 2), \
         args.seq or (128 if cuda else 32)
-    body = preset(name, vocab_size=VOCAB, pad_token_id=0, max_position_embeddings=max(512, seq),
-                  sdconv_impl="triton" if cuda else "torch")
-    config = ElectraConfig(discriminator=body, generator=generator_config(body, preset_generator_multiplier(name)),
-                           mask_token_id=4, special_token_ids=(0, 2, 3))
+    config = electra_config_for(name, VOCAB, SPECIAL_IDS, max_position_embeddings=max(512, seq),
+                                sdconv_impl="triton" if cuda else "torch")
     torch.manual_seed(0)
     model = ElectraForPretraining(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     input_ids = torch.randint(5, VOCAB, (batch, seq), device=device)
     one_document = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
                     "token_type_ids": torch.zeros_like(input_ids)}
-    thirds = (torch.arange(seq, device=device) // max(1, seq // 3) + 1).expand(batch, -1).contiguous()
+    thirds = three_documents_per_sample(batch, seq, device)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     per_step = {}
     print(f"device={torch.cuda.get_device_name() if cuda else 'cpu'} preset={name} batch={batch} seq={seq} "

@@ -22,7 +22,7 @@ from convbert_ds.convert.__main__ import main as cli_main
 from convbert_ds.convert.model_card import CardFacts
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.formats.checkpoint.names import pipeline_layer_names
-from launch import REPO, check, env, run_training
+from launch import NOT_THE_SUBJECT, REPO, check, env, run_training
 from shard_factory import read_text_documents
 from slurm_cluster import recording_prefix
 
@@ -51,7 +51,8 @@ def runs(tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("convert_runs")
     out = {}
     for kind, overrides in RUNS.items():
-        check(run_training(root / kind, tiny_corpus["shards"], *overrides, "train.steps=3", "eval.interval=0"))
+        check(run_training(root / kind, tiny_corpus["shards"], *overrides, "train.steps=3", "eval.interval=0",
+                           launcher=NOT_THE_SUBJECT))
         out[kind] = root / kind / "checkpoints"
     return out
 

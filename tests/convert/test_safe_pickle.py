@@ -21,7 +21,7 @@ import torch
 from convbert_ds.errors import UserError
 from convbert_ds.formats.safe_pickle import (ALLOWED_GLOBALS, DamagedCheckpointFileError, UnsafeCheckpointError,
                                              check_directory, forced_weights_only, safe_load)
-from launch import REPO, check, env, free_port, run_training
+from launch import NOT_THE_SUBJECT, REPO, check, env, free_port, run_training
 
 TAG = "step00000002"
 
@@ -72,7 +72,7 @@ def checkpoint(tiny_corpus, tmp_path_factory):
             nproc, overrides = LAYOUTS[layout]
             run_dir = tmp_path_factory.mktemp(layout)
             check(run_training(run_dir, tiny_corpus["shards"], *overrides, "train.steps=2", "train.warmup_steps=1",
-                               "checkpoint.interval=2", "eval.interval=0", nproc=nproc))
+                               "checkpoint.interval=2", "eval.interval=0", nproc=nproc, launcher=NOT_THE_SUBJECT))
             done[layout] = run_dir / "checkpoints" / TAG
         return done[layout]
 

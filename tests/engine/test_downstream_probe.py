@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from launch import check, run_training, train_metrics
+from launch import NOT_THE_SUBJECT, check, run_training, train_metrics
 from shard_factory import read_text_documents
 
 pytestmark = pytest.mark.slow
@@ -38,8 +38,9 @@ def _rows(run_dir, split: str) -> list[dict]:
 
 
 def test_probe_logs_scores_and_leaves_the_losses_unchanged(tiny_corpus, task, tmp_path):
-    check(run_training(tmp_path / "plain", tiny_corpus["shards"], *COMMON))
-    output = check(run_training(tmp_path / "probed", tiny_corpus["shards"], *COMMON, *_probe(task, "train.jsonl")))
+    check(run_training(tmp_path / "plain", tiny_corpus["shards"], *COMMON, launcher=NOT_THE_SUBJECT))
+    output = check(run_training(tmp_path / "probed", tiny_corpus["shards"], *COMMON, *_probe(task, "train.jsonl"),
+                                launcher=NOT_THE_SUBJECT))
     drop = ("samples_per_s", "tokens_per_s", "tflops", "mfu")  # wall-clock figures
     plain, probed = ([{k: v for k, v in r.items() if k not in drop} for r in train_metrics(tmp_path / d)]
                      for d in ("plain", "probed"))

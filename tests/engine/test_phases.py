@@ -16,7 +16,7 @@ from convbert_ds.config import ConfigError
 from convbert_ds.convert import open_checkpoint, read_state_dict
 from convbert_ds.engine.plan import resolve
 from convbert_ds.formats.train_config import load_config
-from launch import TINY_CONFIG, check, run_training, train_metrics
+from launch import NOT_THE_SUBJECT, TINY_CONFIG, check, run_training, train_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ PHASE2 = ("data.seq_len=64", "train.steps=8", "train.warmup_steps=2", "train.lr=
 @pytest.fixture(scope="module")
 def phase1(tiny_corpus, tmp_path_factory):
     run = tmp_path_factory.mktemp("phase1")
-    check(run_training(run, tiny_corpus["shards"], *PHASE1))
+    check(run_training(run, tiny_corpus["shards"], *PHASE1, launcher=NOT_THE_SUBJECT))  # both phase 2s start here
     return run / "checkpoints"
 
 

@@ -9,14 +9,14 @@ import pytest
 from convbert_ds.config import ConfigError
 from convbert_ds.engine.plan import resolve
 from convbert_ds.formats.train_config import load_config
-from launch import TINY_CONFIG, check, run_training
+from launch import NOT_THE_SUBJECT, TINY_CONFIG, check, run_training
 
 
 @pytest.mark.slow
 def test_a_cpu_run_writes_one_trace_per_rank_for_its_window(tiny_corpus, tmp_path):
     output = check(run_training(tmp_path, tiny_corpus["shards"], "train.steps=5", "train.warmup_steps=1",
                                 "eval.interval=0", "checkpoint.interval=100", "train.profile.start_step=2",
-                                "train.profile.steps=2"))
+                                "train.profile.steps=2", launcher=NOT_THE_SUBJECT))
     profile = tmp_path / "logs" / "profile"
     assert f"profile: steps 2-3 (trace) written to {profile}" in output
     traces = sorted(profile.glob("*.pt.trace.json"))

@@ -9,7 +9,7 @@ import pytest
 from convbert_ds.config import ConfigError
 from convbert_ds.engine.plan import resolve
 from convbert_ds.formats.train_config import load_config
-from launch import TINY_CONFIG, check, run_training
+from launch import NOT_THE_SUBJECT, TINY_CONFIG, check, run_training
 from wandb_records import offline_runs
 
 
@@ -27,7 +27,8 @@ def _jsonl_values(run_dir):
 def test_csv_and_offline_wandb_hold_what_metrics_jsonl_holds(tiny_corpus, tmp_path):
     output = check(run_training(tmp_path, tiny_corpus["shards"], "train.steps=6", "train.warmup_steps=2",
                                 "eval.interval=3", "checkpoint.interval=100", "log.wandb.project=convbert-ds-test",
-                                "log.wandb.mode=offline", "log.wandb.name=tiny-run", "log.wandb.tags=[ci]"))
+                                "log.wandb.mode=offline", "log.wandb.name=tiny-run", "log.wandb.tags=[ci]",
+                                launcher=NOT_THE_SUBJECT))
     expected = _jsonl_values(tmp_path)
     with open(tmp_path / "logs" / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))

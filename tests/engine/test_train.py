@@ -13,7 +13,7 @@ import pytest
 from convbert_ds.config import ConfigError
 from convbert_ds.engine.plan import resolve
 from convbert_ds.formats.train_config import load_config
-from launch import REPO, TINY_CONFIG, check, env, run_training, train_metrics
+from launch import NOT_THE_SUBJECT, REPO, TINY_CONFIG, check, env, run_training, train_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def test_zero_stages_train_with_falling_loss(ds_config, precision, tiny_corpus, 
     shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     output = check(run_training(tmp_path, tiny_corpus["shards"], f"deepspeed.config=ds_configs/{ds_config}.json",
                                 f"train.precision={precision}", "train.steps=16", "train.warmup_steps=4",
-                                "eval.interval=0", "checkpoint.interval=100"))
+                                "eval.interval=0", "checkpoint.interval=100", launcher=NOT_THE_SUBJECT))
     assert f"precision={precision}" in output
     rows = train_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 17))
@@ -50,7 +50,7 @@ def test_pipeline_two_stages_zero1_trains(tiny_corpus, tmp_path):
     output = check(run_training(tmp_path, tiny_corpus["shards"], "deepspeed.config=ds_configs/pipeline_zero1_bf16.json",
                                 "train.precision=fp32", "pipeline.stages=2", "train.steps=16",
                                 "train.warmup_steps=4", "eval.interval=8", "checkpoint.interval=8",
-                                "train.micro_batch_size=4"))
+                                "train.micro_batch_size=4", launcher=NOT_THE_SUBJECT))
     assert "pipeline_stages=2" in output and "eval step 8" in output
     rows = train_metrics(tmp_path)
     assert _falls(rows), [round(r["loss"], 3) for r in rows]

@@ -257,13 +257,12 @@ def test_bad_jobs_stop_before_training_with_one_clear_error(case, cluster, tiny_
     if case == "gpus":
         shape[1] = "--gpus-per-node=1"
     (tmp_path / "a_file").write_text("not a directory")
-    # sbatch --wait returns the job's exit status.
-    result = cluster.run("sbatch", "--wait", *shape, str(REPO / "slurm" / "pretrain.sbatch"),
-                         *train_args(tiny_corpus["shards"], run, *extra), cwd=tmp_path, env=job_env(cluster),
-                         check=False, timeout=180)
+    # Not ``sbatch --wait``: it polls at growing intervals and returned about 10 s after these jobs had ended.
+    job = submit(cluster, tmp_path, "pretrain.sbatch", *train_args(tiny_corpus["shards"], run, *extra), options=shape)
+    info = cluster.wait_job(job, 180)
     (out,) = tmp_path.glob("convbert-pretrain-*.out")
     text = out.read_text()
-    assert result.returncode == 2, text
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), text
     assert message in text
     assert "nothing was started" in text or "a node failed its checks" in text
     assert "launcher=" not in text and not (run / "logs").exists()
@@ -297,9 +296,10 @@ def test_mpirun_inside_a_slurm_job_takes_ranks_from_mpi(cluster, tmp_path):
              "print(json.dumps([launcher, os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['SLURM_PROCID']]))")
     mpiexec = Path(sys.executable).parent / "mpiexec"
     command = f"{shlex.quote(str(mpiexec))} -n 2 {shlex.quote(sys.executable)} -c {shlex.quote(probe)}"
-    result = cluster.run("sbatch", "--wait", "--ntasks=2", "--output=mpi.out", "--wrap", command, cwd=tmp_path,
-                         env=job_env(cluster), check=False, timeout=120)
+    job = cluster.run("sbatch", "--parsable", "--ntasks=2", "--output=mpi.out", "--wrap", command, cwd=tmp_path,
+                      env=job_env(cluster)).stdout.strip().split(";")[0]
+    info = cluster.wait_job(job, 120)  # not ``sbatch --wait``: see the bad jobs' test
     output = (tmp_path / "mpi.out").read_text()
-    assert result.returncode == 0, output
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
     ranks = sorted(json.loads(found) for found in re.findall(r"\[[^\[\]]*\]", output))  # lines may interleave
     assert ranks == [["mpi", "0", "2", "0"], ["mpi", "1", "2", "0"]], output

@@ -60,7 +60,8 @@ def test_probe_logs_scores_and_leaves_the_losses_unchanged(tiny_corpus, task, tm
 
 
 def test_failing_probe_is_a_warning(tiny_corpus, task, tmp_path):
-    output = check(run_training(tmp_path, tiny_corpus["shards"], *COMMON, *_probe(task, "broken.jsonl")))
+    output = check(run_training(tmp_path, tiny_corpus["shards"], *COMMON, *_probe(task, "broken.jsonl"),
+                                launcher=NOT_THE_SUBJECT))
     assert "warning: downstream probe step00000003 failed" in output
     assert "column 'text' not found" in output  # the probe's own one-line error, in the warning
     assert not _rows(tmp_path, "downstream")

@@ -20,7 +20,7 @@ from convbert_ds.engine.plan import resolve
 from convbert_ds.formats.train_config import load_config
 from convbert_ds.formats.checkpoint import universal
 from convbert_ds.formats.checkpoint.directory import UNIVERSAL
-from launch import REPO, TINY_CONFIG, check, env, free_port, run_group, run_training, train_metrics
+from launch import NOT_THE_SUBJECT, REPO, TINY_CONFIG, check, env, free_port, run_group, run_training, train_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -86,15 +86,15 @@ def test_a_run_goes_on_at_another_size_as_it_would_have(tiny_corpus, tmp_path):
     conversion is made once and reused, and the losses follow those of the run that stayed on 2 ranks."""
     shards, common = tiny_corpus["shards"], (ZERO2, *SHORT, "checkpoint.interval=4", "checkpoint.keep_last=5")
     stayed, moved = tmp_path / "stayed", tmp_path / "moved"
-    check(run_training(stayed, shards, *common, "train.steps=4"))
+    check(run_training(stayed, shards, *common, "train.steps=4", launcher=NOT_THE_SUBJECT))
     shutil.copytree(stayed, moved)
-    check(run_training(stayed, shards, *common, "train.steps=8"))
-    first = check(run_training(moved, shards, *common, "train.steps=6", nproc=1))
+    check(run_training(stayed, shards, *common, "train.steps=8", launcher=NOT_THE_SUBJECT))
+    first = check(run_training(moved, shards, *common, "train.steps=6", nproc=1, launcher=NOT_THE_SUBJECT))
     assert "converting" in first and "layout changed: 2 ranks, ZeRO-2, fp32 -> 1 rank, ZeRO-2, fp32" in first
     # A rerun from the same checkpoint (step 4, since step 6 is removed) reuses the universal copy.
     shutil.rmtree(moved / "checkpoints" / "step00000006")
     (moved / "checkpoints" / "latest").write_text("step00000004\n")
-    second = check(run_training(moved, shards, *common, "train.steps=8", nproc=1))
+    second = check(run_training(moved, shards, *common, "train.steps=8", nproc=1, launcher=NOT_THE_SUBJECT))
     assert "converting" not in second and "layout changed" in second
     before, after = train_metrics(stayed), train_metrics(moved)
     assert [r["consumed_samples"] for r in after] == [r["consumed_samples"] for r in before] == \

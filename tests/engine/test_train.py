@@ -71,12 +71,12 @@ def test_exact_resume_is_bitwise(tiny_corpus, tmp_path):
     """
     common = ("train.steps=12", "train.warmup_steps=3", "eval.interval=4", "checkpoint.interval=6",
               "data.num_workers=1")
-    check(run_training(tmp_path / "straight", tiny_corpus["shards"], *common))
+    check(run_training(tmp_path / "straight", tiny_corpus["shards"], *common, launcher=NOT_THE_SUBJECT))
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "straight", resumed)
     shutil.rmtree(resumed / "checkpoints" / "step00000012")
     (resumed / "checkpoints" / "latest").write_text("step00000006\n")
-    output = check(run_training(resumed, tiny_corpus["shards"], *common))
+    output = check(run_training(resumed, tiny_corpus["shards"], *common, launcher=NOT_THE_SUBJECT))
     assert "resumed from" in output and "at step 6 (96 samples consumed)" in output
     assert "data: 192 samples over the run (12 steps x 16):" in output  # and what each set gives, in epochs
     assert re.search(rf"^  {re.escape(str(tiny_corpus['shards']))}: 100\.0% of the samples, 192 of its [\d,]+ = "
@@ -242,7 +242,7 @@ def test_continue_pretraining_from_a_transformers_model(tiny_corpus, tmp_path):
     published.save_pretrained(tmp_path / "published")
     convert_from_hf(tmp_path / "published", tmp_path / "init", tokenizer=tiny_corpus["tokenizer"])
     output = check(run_training(tmp_path / "run", tiny_corpus["shards"], f"model.init_from_hf={tmp_path / 'init'}",
-                                "train.steps=2", "eval.interval=0", "train.lr=0"))
+                                "train.steps=2", "eval.interval=0", "train.lr=0", launcher=NOT_THE_SUBJECT))
     assert "initialised from" in output
     from convbert_ds.convert import open_checkpoint, read_state_dict
 

@@ -71,7 +71,7 @@ def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.Comple
 # against 8.6 s for a 1-step tiny run on 2 CPU cores). DeepSpeed's shared-memory CPU all-reduce needs the
 # ``deepspeed`` launcher's LOCAL_SIZE: under torchrun the ranks reduce over gloo. A test that compares two
 # runs bit for bit starts both with the same launcher. What users see from ``deepspeed`` itself (start-up,
-# one-line errors and exit codes, kills, resumes, preemption) is tested under it: the default.
+# one-line errors and exit codes, kill -9 and crashes mid-save, preemption) is tested under it: the default.
 NOT_THE_SUBJECT = "torchrun"
 
 

@@ -140,14 +140,15 @@ def electra_config(preset: str, split):
     return electra_config_for(preset, split.vocab_size, split.special_ids)
 
 
-def electra_config_for(preset: str, vocab_size: int, ids: dict, **body_overrides):
+def electra_config_for(preset: str, vocab_size: int, ids: dict, max_position_embeddings: int = 512,
+                       **body_overrides):
     """The model for ``preset`` over a vocabulary of ``vocab_size`` whose special tokens are ``ids`` (pad, cls,
     sep, mask); ``body_overrides`` go to the body's preset (e.g. ``sdconv_impl``)."""
     from convbert_ds.config import ElectraConfig, generator_config, preset_generator_multiplier
     from convbert_ds.config import preset as body_preset
 
     body = body_preset(preset, vocab_size=vocab_size, pad_token_id=ids["pad"],
-                       **{"max_position_embeddings": 512, **body_overrides})
+                       max_position_embeddings=max_position_embeddings, **body_overrides)
     return ElectraConfig(discriminator=body, generator=generator_config(body, preset_generator_multiplier(preset)),
                          mask_token_id=ids["mask"], special_token_ids=(ids["pad"], ids["cls"], ids["sep"]))
 

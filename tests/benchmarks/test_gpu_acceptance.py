@@ -7,15 +7,13 @@ import sys
 
 import pytest
 
-from launch import REPO
+from launch import REPO, SCALAR_INDUCTOR_ENV
 
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 
 
 def _acceptance(*args: str) -> subprocess.CompletedProcess:
-    # Scalar C++ kernels for the compiled row: g++ on inductor's vectorised ones is a quarter of a cold
-    # compile on CPU (tests/engine/test_compile.py), and this checks the acceptance's machinery, not them.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **SCALAR_INDUCTOR_ENV}  # compiled row
     env.pop("TRITON_INTERPRET", None)  # as a user runs it
     return subprocess.run([sys.executable, "-m", "benchmarks.gpu_acceptance", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from launch import NOT_THE_SUBJECT, check, run_training, train_metrics
+from launch import NOT_THE_SUBJECT, SCALAR_INDUCTOR_ENV, check, run_training, train_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -21,10 +21,6 @@ COMMON = (f"train.steps={STEPS}", "train.warmup_steps=3", f"eval.interval={HALF}
           "data.num_workers=0")
 PIPELINE = ("deepspeed.config=ds_configs/pipeline_zero1_bf16.json", "train.precision=fp32", "pipeline.stages=2",
             "train.micro_batch_size=4", "train.activation_checkpointing=true")
-# Scalar C++ kernels (inductor's vectorised ones off): what these tests check is the graph (no break, the
-# eager numbers), and on a CPU with cold caches, as in CI, g++ compiling the vectorised kernels was about a
-# quarter of each compiled run's time (102 s against 76 s for the tiny step's first call, one process).
-INDUCTOR_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "0"}
 LAYOUTS = {"zero2": ("deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32"), "pipeline": PIPELINE,
            "autocast": ("deepspeed.config=ds_configs/zero0_autocast_bf16.json", "train.precision=bf16")}
 
@@ -45,7 +41,7 @@ def runs(tiny_corpus, tmp_path_factory):
                 continue  # step: refused up front for the pipeline; the plain engine layer by layer: see above
             run_dir = root / f"{layout}_{mode}"
             output = check(run_training(run_dir, tiny_corpus["shards"], *COMMON, *overrides, *switches, timeout=600,
-                                        launcher=NOT_THE_SUBJECT, extra_env=INDUCTOR_ENV))
+                                        launcher=NOT_THE_SUBJECT, extra_env=SCALAR_INDUCTOR_ENV))
             done[layout, mode] = (run_dir, output)
     return done
 
@@ -94,7 +90,7 @@ def test_exact_resume_of_a_compiled_run_is_bitwise(runs, tiny_corpus, tmp_path):
     (resumed / "checkpoints" / "latest").write_text(f"step{HALF:08d}\n")
     output = check(run_training(resumed, tiny_corpus["shards"], *COMMON, *LAYOUTS["autocast"],
                                 "train.compile=true", "train.compile_mode=step", timeout=600, launcher=NOT_THE_SUBJECT,
-                                extra_env=INDUCTOR_ENV))
+                                extra_env=SCALAR_INDUCTOR_ENV))
     assert f"at step {HALF}" in output
     for a, b in zip(train_metrics(straight)[HALF:], train_metrics(resumed)[HALF:]):
         for key in ("loss", "mlm_loss", "rtd_loss", "mlm_accuracy", "grad_norm", "consumed_samples"):

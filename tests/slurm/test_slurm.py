@@ -34,10 +34,14 @@ def job_env(cluster: SlurmCluster, **extra: str) -> dict:
 
 
 def submit(cluster: SlurmCluster, workdir: Path, script: str, *args: str, options=(), env=None) -> str:
+    """``sbatch`` of ``slurm/SCRIPT ARGS`` from ``workdir``: the job id."""
+    return sbatch(cluster, workdir, *options, str(REPO / "slurm" / script), *args, env=env)
+
+
+def sbatch(cluster: SlurmCluster, workdir: Path, *sbatch_args: str, env=None) -> str:
     workdir.mkdir(parents=True, exist_ok=True)
-    out = cluster.run("sbatch", "--parsable", *options, str(REPO / "slurm" / script), *args, cwd=workdir,
-                      env=env or job_env(cluster)).stdout
-    return out.strip().split(";")[0]
+    out = cluster.run("sbatch", "--parsable", *sbatch_args, cwd=workdir, env=env or job_env(cluster)).stdout
+    return out.strip().split(";")[0]  # --parsable prints "id" or "id;cluster"
 
 
 def train_args(shards: Path, run: Path, *extra: str) -> list[str]:
@@ -296,8 +300,7 @@ def test_mpirun_inside_a_slurm_job_takes_ranks_from_mpi(cluster, tmp_path):
              "print(json.dumps([launcher, os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['SLURM_PROCID']]))")
     mpiexec = Path(sys.executable).parent / "mpiexec"
     command = f"{shlex.quote(str(mpiexec))} -n 2 {shlex.quote(sys.executable)} -c {shlex.quote(probe)}"
-    job = cluster.run("sbatch", "--parsable", "--ntasks=2", "--output=mpi.out", "--wrap", command, cwd=tmp_path,
-                      env=job_env(cluster)).stdout.strip().split(";")[0]
+    job = sbatch(cluster, tmp_path, "--ntasks=2", "--output=mpi.out", "--wrap", command)
     info = cluster.wait_job(job, 120)  # not ``sbatch --wait``: see the bad jobs' test
     output = (tmp_path / "mpi.out").read_text()
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output

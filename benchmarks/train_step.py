@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     from convbert_ds.data.shards import open_split
     from convbert_ds.engine.distributed import init_process_group
     from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
-    from convbert_ds.engine.plan import host_sync_warnings
+    from convbert_ds.engine.plan import host_sync_warnings, whole_fp32_grads
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.convbert import check_inputs
     from convbert_ds.model.layers import compile_layers, compile_step
@@ -397,7 +397,9 @@ def main(argv: list[str] | None = None) -> None:
         engine, _, _, _ = deepspeed.initialize(model=wrapped, config=ds_config,
                                                model_parameters=param_groups(wrapped, train.weight_decay))
         if args.capture:  # after the engine has put the parameters where they stay
-            capture_step(plain), capture_step(wrapped)
+            # The plain loop's fused AdamW reads .grad; the engine's layout decides, as in the trainer.
+            capture_step(plain, write_grads=True)
+            capture_step(wrapped, write_grads=whole_fp32_grads(ds_config, 1, args.precision))
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
         plain_opt, fused = adamw(param_groups(plain, train.weight_decay), train)
         hf_opt, _ = adamw(param_groups(hf, train.weight_decay), train)

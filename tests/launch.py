@@ -98,3 +98,15 @@ def check(result: subprocess.CompletedProcess) -> str:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     return output
+
+
+def run_as_one_rank(script: str, timeout: float = 300):
+    """Run ``script`` as a process of its own, rank 0 of a one-rank process group (an engine needs one, and
+    other tests in the pytest process may hold one), with ``tests/`` importable; returns the JSON that its
+    last line of output prints."""
+    rank_env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": free_port(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")}
+    result = subprocess.run([sys.executable, script], cwd=REPO, env=rank_env, capture_output=True, text=True,
+                            timeout=timeout)
+    check(result)
+    return json.loads(result.stdout.splitlines()[-1])

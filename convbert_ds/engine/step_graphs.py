@@ -4,7 +4,8 @@ and a warning when inductor was asked and recorded none.
 - ``inductor``, with ``train.compile_mode: step`` on a GPU: ``compile_step``'s ``reduce-overhead`` trees.
   Each step begins with ``cudagraph_mark_step_begin`` (a replay may reuse the last one's output memory:
   the previous micro-batch is done with it).
-- ``capture``: the step recorded by hand at its first training call (``model/step_capture.py``).
+- ``capture``: the step recorded by hand at its first training call (``model/step_capture.py``); where
+  ``.grad`` is what the optimizer reads (``plan.whole_fp32_grads``), the backward graph writes it.
 - Neither: the step launches its kernels one by one.
 """
 
@@ -27,13 +28,14 @@ class StepGraphs:
         self.captured: CapturedStep | None = None
         self.check_at: int | None = None
 
-    def capture(self, model: torch.nn.Module, device: torch.device, announce: bool) -> None:
+    def capture(self, model: torch.nn.Module, device: torch.device, announce: bool, write_grads: bool) -> None:
         """With ``capture``: make ``model`` record its step (call it once the engine has put the parameters
-        where they stay); without CUDA, say that the run goes without."""
+        where they stay); without CUDA, say that the run goes without. ``write_grads``: the graphs write
+        ``.grad`` themselves (``plan.whole_fp32_grads``; see ``model/step_capture.py``)."""
         if self.mode != "capture":
             return
         if device.type == "cuda":
-            self.captured = capture_step(model)
+            self.captured = capture_step(model, write_grads)
         elif announce:
             print("note: train.cuda_graphs=capture: no CUDA device, so the step runs without CUDA graphs", flush=True)
 

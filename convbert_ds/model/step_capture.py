@@ -4,9 +4,19 @@ On a fast GPU the step is thousands of small kernels and the host cannot queue t
 runs them. Inductor's CUDA-graph trees (``compile_step``'s ``reduce-overhead``) remove that cost only where
 inductor decides to capture, and it may decide not to without a word. This route does not ask: at the first
 training call ``capture_step`` records the whole forward (masking, both bodies, sampling, losses) and its
-backward with ``torch.cuda.make_graphed_callables``; every later call copies the batch into the graph's
-input memory and replays. The model may be eager or compiled (inductor's kernels are captured like any
-other); a parameter update then costs the optimizer's own launches (one fused AdamW) plus two replays.
+backward, in one memory pool; every later call copies the batch into the graphs' input memory and replays.
+The model may be eager or compiled (inductor's kernels are captured like any other).
+
+Where the gradients go (``write_grads``):
+
+- ``True``: the backward graph writes each parameter's gradient into memory of its own, and that memory
+  *is* ``param.grad``. Autograd then runs one node for the whole step and none per parameter: no
+  ``AccumulateGrad`` per tensor, which on an H100 took ConvBERT-base's step 568 node calls and 4.3 ms of
+  host time (profiled) to hand over gradients that were already in place. For layouts where ``.grad`` is
+  what the optimizer reads (``plan.whole_fp32_grads``: ZeRO-0, fp32 weights, no fp16 loss scale) and
+  where the gradients are cleared to None between steps (DeepSpeed's ``zero_grad`` and torch's default).
+- ``False``: the backward graph's gradients go back through autograd, one ``AccumulateGrad`` per parameter,
+  so the hooks that ZeRO-1/2 and DeepSpeed's own mixed precision hang there still run.
 
 What the capture relies on, which the step was built for: no host read inside it (static masking, inputs
 checked on the host), one batch shape, randomness from torch's CUDA generator (a replay draws from the
@@ -15,7 +25,8 @@ generator's current state, as eager would). What it imposes:
 - The outputs and the gradients live in the graphs' memory and are overwritten by the next replay. The
   trainer reads a step's outputs before its next forward, and steps once per micro-batch: gradient
   accumulation would keep the first micro-batch's gradients in memory that the second overwrites, so the
-  plan refuses it (as it refuses the pipeline engine, ZeRO-3 and activation checkpointing).
+  plan refuses it (as it refuses the pipeline engine, ZeRO-3 and activation checkpointing), and with
+  ``write_grads`` a backward that finds a gradient not cleared since the last one is an error.
 - A call the graphs do not fit (evaluation, no grad, another batch shape, packed documents appearing or
   going) runs the uncaptured forward: correct, at eager cost.
 """
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -31,43 +43,149 @@ from torch import nn
 from convbert_ds.model.electra import PretrainingOutput
 
 _FIELDS = [f.name for f in dataclasses.fields(PretrainingOutput)]
+WARMUP_CALLS = 3  # as torch's make_graphed_callables: lazy initialisation (cuBLAS, autotuning) stays out of the graphs
 
 
-class _StepTensors(nn.Module):
-    """The step as ``make_graphed_callables`` takes it: tensors in, a tuple of tensors out; the model as a
-    submodule, so that its parameters are the graphed backward's inputs."""
+class Recorder(Protocol):
+    """How a step is recorded and replayed: ``record(fn)`` runs ``fn`` once, recording it, and returns its
+    result and a replay that reruns the recorded work into the result's memory."""
 
-    def __init__(self, model: nn.Module, forward):
-        super().__init__()
-        self.model, self.step_forward = model, forward
-        self.fields: list[str] = []  # the output's fields that are set (3 for the MLM objective, 8 for ELECTRA)
+    def warm_up(self, fn: Callable[[], object]) -> None: ...
 
-    def forward(self, input_ids, attention_mask, token_type_ids, document_ids=None):
-        out = self.step_forward(input_ids, attention_mask, token_type_ids, check=False, document_ids=document_ids)
-        self.fields = [name for name in _FIELDS if getattr(out, name) is not None]
-        return tuple(getattr(out, name) for name in self.fields)
+    def record(self, fn: Callable[[], object]) -> tuple[object, Callable[[], None]]: ...
+
+
+class CudaGraphRecorder:
+    """CUDA graphs sharing one memory pool; recorded in the order they replay (forward, then backward), so
+    that a replay never overwrites memory a later one still reads."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def warm_up(self, fn: Callable[[], object]) -> None:
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for _ in range(WARMUP_CALLS):
+                fn()
+        torch.cuda.synchronize()
+
+    def record(self, fn: Callable[[], object]) -> tuple[object, Callable[[], None]]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            result = fn()
+        return result, graph.replay
+
+
+class _Graphs:
+    """The recorded forward and backward and their fixed memory: the inputs, the outputs, the incoming
+    gradient of the loss, the parameters' gradients."""
+
+    def __init__(self, step: Callable, args: tuple, params: list[nn.Parameter], recorder: Recorder):
+        self.params = params
+        self.inputs = tuple(a.clone() for a in args)  # copies: the caller's tensors stay the caller's
+        self.fields: list[str] = []
+        self._live: tuple | None = None  # the forward's outputs with their autograd graph, for the backward
+        self.loss_grad: torch.Tensor | None = None
+
+        def forward() -> tuple:
+            out = step(*self.inputs)
+            self.fields = [name for name in _FIELDS if getattr(out, name) is not None]
+            self._live = tuple(getattr(out, name) for name in self.fields)
+            return tuple(value.detach() for value in self._live)
+
+        def backward() -> tuple:
+            return torch.autograd.grad(self._live[0], params, grad_outputs=self.loss_grad, allow_unused=True)
+
+        def warm_up() -> None:
+            forward()
+            self.loss_grad = torch.ones_like(self._live[0])
+            backward()
+
+        recorder.warm_up(warm_up)
+        self.outputs, self._replay_forward = recorder.record(forward)
+        self.loss_grad = torch.empty_like(self.outputs[0])
+        self.grads, self._replay_backward = recorder.record(backward)
+        self._live = None  # the backward is recorded: the forward's autograd graph is not needed again
+
+    def forward(self, args: tuple) -> tuple:
+        for static, given in zip(self.inputs, args):
+            static.copy_(given)
+        self._replay_forward()
+        return tuple(value.detach() for value in self.outputs)  # new tensor objects over the fixed memory
+
+    def backward(self, loss_grad: torch.Tensor) -> None:
+        if loss_grad.data_ptr() != self.loss_grad.data_ptr():
+            self.loss_grad.copy_(loss_grad)
+        self._replay_backward()
+
+    def write_grads(self) -> None:
+        """Make each parameter's ``.grad`` the memory its gradient was just written to."""
+        for param, grad in zip(self.params, self.grads):
+            if grad is not None:
+                param.grad = grad
+
+    def check_cleared(self) -> None:
+        """Before a backward that writes ``.grad``: a gradient still there would be overwritten, not added to."""
+        if any(param.grad is not None for param in self.params):
+            raise RuntimeError("train.cuda_graphs=capture: a parameter's gradient from the last backward was not "
+                               "cleared before the next one, which would overwrite it rather than add to it; clear "
+                               "gradients to None after each optimizer step (zero_grad(set_to_none=True), as "
+                               "DeepSpeed's engine does) and take one micro-batch per optimizer step")
+
+
+class _Replay(torch.autograd.Function):
+    """One autograd node for the captured step. Its inputs: the step's graphs, a tensor that needs a gradient
+    (so that the loss has one), the batch, and (when the gradients go back through autograd) the parameters."""
+
+    @staticmethod
+    def forward(ctx, graphs: _Graphs, write_grads: bool, anchor: torch.Tensor, n_args: int, *tensors):
+        ctx.graphs, ctx.write_grads, ctx.n_args, ctx.n_tensors = graphs, write_grads, n_args, len(tensors)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs the loss does not use
+        outputs = graphs.forward(tensors[:n_args])
+        ctx.mark_non_differentiable(*outputs[1:])  # metrics and logits: only the loss is trained on
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, loss_grad: torch.Tensor, *_):
+        graphs = ctx.graphs
+        if ctx.write_grads:
+            graphs.check_cleared()
+            graphs.backward(loss_grad)
+            graphs.write_grads()
+            return (None,) * (4 + ctx.n_tensors)
+        graphs.backward(loss_grad)
+        return (None,) * (4 + ctx.n_args) + tuple(g if g is None else g.detach() for g in graphs.grads)
 
 
 class CapturedStep:
     """Stands in for ``model.forward`` (see ``capture_step``)."""
 
-    def __init__(self, model: nn.Module, forward):
-        self.model, self.uncaptured = model, forward
-        self.graphed, self.signature, self.fields = None, None, None
+    def __init__(self, model: nn.Module, forward, write_grads: bool, recorder: Recorder | None):
+        self.model, self.uncaptured, self.write_grads = model, forward, write_grads
+        self.recorder = recorder
+        self.captured: _Graphs | None = None
+        self.signature = None
         self.warned = False
+        self._anchor: torch.Tensor | None = None
 
     @property
     def graphs(self) -> int:
         """CUDA graphs captured: the forward's and the backward's once the first training call has run."""
-        return 0 if self.graphed is None else 2
+        return 0 if self.captured is None else 2
+
+    @property
+    def fields(self) -> list[str] | None:
+        """The output's fields that are set (3 for the MLM objective, 8 for ELECTRA), once captured."""
+        return None if self.captured is None else self.captured.fields
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, check=True, document_ids=None):
         if not (self.model.training and torch.is_grad_enabled()) or check or attention_mask is None \
-                or token_type_ids is None or not input_ids.is_cuda:
+                or token_type_ids is None or not (input_ids.is_cuda or self.recorder is not None):
             return self.uncaptured(input_ids, attention_mask, token_type_ids, check=check, document_ids=document_ids)
         args = (input_ids, attention_mask, token_type_ids) + (() if document_ids is None else (document_ids,))
         signature = tuple((tuple(a.shape), a.dtype) for a in args)
-        if self.graphed is None:
+        if self.captured is None:
             try:
                 self._capture(args, signature)
             except RuntimeError as error:  # torch's message says what broke the capture; this says what to do
@@ -76,24 +194,27 @@ class CapturedStep:
         elif signature != self.signature:
             self._warn_once(signature)
             return self.uncaptured(*args[:3], check=False, document_ids=document_ids)
-        values = self.graphed(*args)
-        # Only ``loss`` is differentiable (the graphed function marks every float output so).
-        return PretrainingOutput(**{name: value if name == "loss" else value.detach()
-                                    for name, value in zip(self.fields, values)})
+        params = () if self.write_grads else tuple(self.captured.params)
+        values = _Replay.apply(self.captured, self.write_grads, self._anchor, len(args), *args, *params)
+        return PretrainingOutput(**dict(zip(self.captured.fields, values)))
 
     def _capture(self, args: tuple, signature: tuple) -> None:
-        # Static input memory of the graphs: copies, so that the caller's tensors stay the caller's.
-        sample = tuple(a.clone() for a in args)
-        step = _StepTensors(self.model, self.uncaptured)
-        # The warm-up iterations and the capture draw random numbers: the run's stream is put back after,
-        # so that the first replay draws what the first eager step would (and a resume sees the same stream).
-        # The autocast cache would hold casts made while capturing: make_graphed_callables refuses it.
+        def step(*inputs):
+            return self.uncaptured(*inputs[:3], check=False, document_ids=inputs[3] if len(inputs) > 3 else None)
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
         device = args[0].device
-        with torch.random.fork_rng(devices=[device]), torch.autocast(
-                "cuda", dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"),
-                cache_enabled=False):
-            self.graphed = torch.cuda.make_graphed_callables(step, sample, allow_unused_input=True)
-        self.signature, self.fields = signature, step.fields
+        recorder = self.recorder or CudaGraphRecorder()
+        # The warm-up calls and the capture draw random numbers: the run's stream is put back after, so that
+        # the first replay draws what the first eager step would (and a resume sees the same stream). The
+        # autocast cache would keep weight casts made while recording, outside the graphs: off.
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.autocast(
+                device.type, dtype=torch.get_autocast_dtype(device.type),
+                enabled=torch.is_autocast_enabled(device.type), cache_enabled=False):
+            self.captured = _Graphs(step, args, params, recorder)
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
+        self.signature = signature
 
     def _warn_once(self, signature: tuple) -> None:
         if not self.warned:
@@ -103,11 +224,12 @@ class CapturedStep:
                   file=sys.stderr, flush=True)
 
 
-def capture_step(model: nn.Module) -> CapturedStep:
+def capture_step(model: nn.Module, write_grads: bool, recorder: Recorder | None = None) -> CapturedStep:
     """Make ``model`` (an ``ElectraForPretraining``, eager or after ``compile_step``) capture its training
     step as CUDA graphs at its first training call and replay them after. Call it once the parameters are
     where training keeps them (after the engine is built): the graphs read them at fixed addresses.
-    Returns the stand-in, whose ``graphs`` says what was captured."""
-    captured = CapturedStep(model, model.forward)
+    ``write_grads``: see the module's docstring. ``recorder``: how to record (CUDA graphs when None; the
+    step is then captured only for CUDA inputs). Returns the stand-in, whose ``graphs`` says what was captured."""
+    captured = CapturedStep(model, model.forward, write_grads, recorder)
     model.forward = captured
     return captured

@@ -81,13 +81,13 @@ def test_compiled_step_is_captured_and_replayed(partition):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_step_captured_by_hand_trains(compiled):
     """``train.cuda_graphs: capture`` (``capture_step``): the whole forward and backward recorded at the first
-    training call, then replayed; eager, or compiled without inductor's trees. Evaluation (no grad, eval
-    mode) runs uncaptured beside it."""
+    training call, then replayed; eager, or compiled without inductor's trees; the backward writing ``.grad``
+    as at ZeRO-0. Evaluation (no grad, eval mode) runs uncaptured beside it."""
     torch._dynamo.reset()
     model, optimizer, batch = _tiny_step_parts()
     if compiled:
         compile_step(model, cuda_graphs=False)
-    captured = capture_step(model)
+    captured = capture_step(model, write_grads=True)
     losses = _train(model, optimizer, batch)
     assert captured.graphs == 2 and cuda_graphs_recorded() == 0  # by hand, not through inductor's trees
     assert _trains(losses), losses
@@ -99,14 +99,16 @@ def test_step_captured_by_hand_trains(compiled):
     assert torch.isfinite(evaluated.loss) and evaluated.rtd_logits.shape == batch[0].shape
 
 
-def test_a_replay_follows_the_eager_step():
+@pytest.mark.parametrize("write_grads", [True, False], ids=["grads-written", "grads-through-autograd"])
+def test_a_replay_follows_the_eager_step(write_grads):
     """A replay draws its masks, samples and dropout from the CUDA generator's current state, as the eager
     step does (what exact resume and a switch of ``cuda_graphs`` at a resume rely on): from the same weights
     and the same seed, two captured steps give the eager steps' losses and gradients (fp32, so the only
-    differences are the backward's atomic adds)."""
+    differences are the backward's atomic adds), whether the backward graph writes ``.grad`` (ZeRO-0) or
+    hands the gradients to autograd (ZeRO-1/2)."""
     model, _, batch = _tiny_step_parts()
     twin = copy.deepcopy(model)
-    capture_step(model)
+    capture_step(model, write_grads)
     for step in range(2):
         results = []
         for net in (model, twin):

@@ -30,13 +30,10 @@ The model's own forward and backward are budgeted in tests/model; around them on
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from launch import REPO, TINY_CONFIG, free_port
+from launch import TINY_CONFIG, run_as_one_rank
 
 OP_MARGIN = 1.25
 # file -> (step ops, step syncs) as measured (see the docstring)
@@ -101,13 +98,7 @@ def _measure(runs: list[tuple[str, bool]]) -> dict:
 
 @pytest.fixture(scope="module")
 def counts():
-    # A process of its own: the engine needs a process group, and other tests in this process may have one.
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": free_port(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "tests")}
-    result = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    return json.loads(result.stdout.splitlines()[-1])
+    return run_as_one_rank(__file__)
 
 
 @pytest.mark.parametrize("name", list(MEASURED))

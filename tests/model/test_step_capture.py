@@ -1,0 +1,122 @@
+"""The captured step's plumbing (``model/step_capture.py``) on CPU, with ``RerunRecorder`` standing in for
+the CUDA graphs (``tests/rerun_recorder.py``; the recording itself is checked on a GPU by
+``tests/engine/test_cuda_graphs.py``).
+
+What is checked: a replayed step computes what the eager step computes (losses, every gradient, the weights
+after a few optimizer steps), whether the backward writes ``.grad`` itself (``write_grads``) or hands the
+gradients to autograd; with ``write_grads`` autograd runs no ``AccumulateGrad`` per parameter (ConvBERT-base
+has 568 parameter tensors: on an H100 their ``AccumulateGrad`` calls took 4.3 ms of host time a step,
+profiled); and a
+gradient not cleared since the last backward is an error, not a silent overwrite.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from convbert_ds.config import ElectraConfig
+from convbert_ds.model import ElectraForPretraining
+from convbert_ds.model.step_capture import capture_step
+from rerun_recorder import RerunRecorder
+
+STEPS = 3
+
+
+def _model_and_batch():
+    torch.manual_seed(0)
+    model = ElectraForPretraining(ElectraConfig.from_preset("tiny", vocab_size=300, max_position_embeddings=64))
+    input_ids = torch.randint(5, 300, (2, 32))
+    input_ids[:, 0] = 2
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 24:] = 0  # a padded row
+    return model, (input_ids * attention_mask, attention_mask, torch.zeros_like(input_ids))
+
+
+def _train(model, batch) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """STEPS steps as the trainer takes them (fused AdamW, gradients cleared to None), each from the same seed
+    for both models: (loss, gradients) of each step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    seen = []
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)
+        out = model(*batch, check=False)
+        out.loss.backward()
+        seen.append((out.loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return seen
+
+
+def _autograd_nodes(loss: torch.Tensor) -> list[str]:
+    """The nodes autograd runs for ``loss.backward()`` outside the replays, by type."""
+    seen, todo, names = set(), [loss.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("write_grads", [True, False], ids=["grads-written", "grads-through-autograd"])
+def test_a_replayed_step_trains_as_the_eager_step(write_grads):
+    model, batch = _model_and_batch()
+    twin = copy.deepcopy(model)
+    recorder = RerunRecorder()
+    captured = capture_step(model, write_grads, recorder)
+    replayed, eager = _train(model, batch), _train(twin, batch)
+    assert captured.graphs == 2 and recorder.replays == 2 * STEPS  # a forward and a backward replay per step
+    for step, ((loss, grads), (eager_loss, eager_grads)) in enumerate(zip(replayed, eager)):
+        assert torch.equal(loss, eager_loss), (step, loss, eager_loss)
+        for name, g, e in zip([n for n, _ in model.named_parameters()], grads, eager_grads):
+            assert torch.equal(g, e), (step, name, (g - e).abs().max())
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+    assert captured.fields == ["loss", "mlm_loss", "mlm_accuracy", "rtd_loss", "rtd_accuracy", "rtd_logits",
+                               "is_replaced", "real"]
+
+
+@pytest.mark.parametrize("write_grads", [True, False], ids=["grads-written", "grads-through-autograd"])
+def test_written_gradients_take_no_accumulate_grad_per_parameter(write_grads):
+    model, batch = _model_and_batch()
+    capture_step(model, write_grads, RerunRecorder())
+    tensors = sum(1 for _ in model.parameters())
+    model(*batch, check=False).loss.backward()  # the first call records
+    model.zero_grad(set_to_none=True)
+    loss = model(*batch, check=False).loss
+    nodes = _autograd_nodes(loss)
+    # Written: one AccumulateGrad, for the tensor that gives the loss its gradient; through autograd: one more
+    # per parameter.
+    assert nodes.count("AccumulateGrad") == (1 if write_grads else tensors + 1), (len(nodes), tensors)
+    assert nodes.count("_ReplayBackward") == 1 and len(nodes) == nodes.count("AccumulateGrad") + 1, set(nodes)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_gradient_not_cleared_is_an_error():
+    model, batch = _model_and_batch()
+    capture_step(model, True, RerunRecorder())
+    model(*batch, check=False).loss.backward()
+    with pytest.raises(RuntimeError, match=r"not cleared .*zero_grad\(set_to_none=True\)"):
+        model(*batch, check=False).loss.backward()
+
+
+def test_evaluation_and_other_shapes_run_uncaptured(capsys):
+    model, batch = _model_and_batch()
+    recorder = RerunRecorder()
+    capture_step(model, True, recorder)
+    model(*batch, check=False).loss.backward()
+    model.zero_grad(set_to_none=True)
+    replays = recorder.replays
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(*batch, check=False).loss)
+    model.train()
+    shorter = tuple(t[:, :16].contiguous() for t in batch)
+    out = model(*shorter, check=False)
+    assert out.rtd_logits.shape == (2, 16) and out.loss.requires_grad
+    assert recorder.replays == replays  # neither call replayed
+    assert "differs from the captured" in capsys.readouterr().err

@@ -6,8 +6,9 @@ What each kind writes, per rank, under ``log.dir/profile/``:
   ``rank{R}.{time}.pt.trace.json``: TensorBoard's profiler plugin reads the folder
   (``tensorboard --logdir log.dir/profile``), and Chrome's ``chrome://tracing`` or Perfetto open the file.
   Each step is a ``train step N`` range in it. Beside it, ``summary_rank{R}.txt``: the window's wall time
-  per step against the device's busy time, and the kernels and host ops that took the most
-  (``device_time_summary``); rank 0 also prints it, so a run says whether it is bound by the host or the
+  per step against the device's busy time, the kernels and host ops that took the most, and the
+  device's time by kind of kernel (matmuls, inductor's fused kernels, SDConv, copies and casts, the
+  optimizer...; ``device_time_summary``); rank 0 also prints it, so a run says whether it is bound by the host or the
   device without opening a trace.
 - ``memory``: a CUDA memory snapshot (every allocation of the window with its stack),
   ``memory_rank{R}.pickle``, for https://pytorch.org/memory_viz.
@@ -113,10 +114,51 @@ def _synchronized_clock() -> float:
     return time.perf_counter()
 
 
+# What a kernel is, from its name (lower-cased substrings; the first kind that matches), for the summary's
+# breakdown of the device's time: which kind of work a cut must come from.
+KERNEL_KINDS = (
+    ("inductor's fused kernels", ("triton_",)),  # inductor names its kernels triton_{poi,red,per}_...
+    ("SDConv kernels (ours)", ("_sdconv_",)),
+    ("matmuls (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("optimizer and clipping (multi-tensor)", ("multi_tensor", "adam")),
+    ("copies, casts and fills", ("memcpy", "memset", "copy", "fill")),
+    ("eager elementwise, norms, reductions", ("elementwise", "reduce_kernel", "norm", "gammabeta", "softmax")),
+    ("collectives", ("nccl",)),
+)
+SHORT_KERNEL_US = 10.0  # kernels this short on average are bound by their launch and tail, not their work
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    if lowered.startswith("triton_"):
+        return KERNEL_KINDS[0][0]
+    return next((kind for kind, marks in KERNEL_KINDS[1:] if any(m in lowered for m in marks)), "other")
+
+
+def _by_kind(on_device: list, steps: int, busy_us: float) -> list[str]:
+    """The device's time per step by kind of kernel, and how much of it went to short kernels."""
+    kinds: dict[str, list[float]] = {}
+    short_us, short_count = 0.0, 0
+    for e in on_device:
+        totals = kinds.setdefault(kernel_kind(e.key), [0.0, 0])
+        totals[0] += e.self_device_time_total
+        totals[1] += e.count
+        if e.self_device_time_total < SHORT_KERNEL_US * e.count:
+            short_us, short_count = short_us + e.self_device_time_total, short_count + e.count
+    lines = ["  by kind of kernel:"]
+    for kind, (us, count) in sorted(kinds.items(), key=lambda item: item[1][0], reverse=True):
+        lines.append(f"  {us / max(busy_us, 1):6.1%} {us / 1e3 / steps:8.2f} ms/step x{count // steps:<5} {kind}")
+    share = short_us / max(busy_us, 1)
+    lines.append(f"  {share:6.1%} {short_us / 1e3 / steps:8.2f} ms/step x{short_count // steps:<5} "
+                 f"of those in kernels under {SHORT_KERNEL_US:.0f} us on average")
+    return lines
+
+
 def device_time_summary(profile: torch.profiler.profile, steps: int, wall_s: float, top: int = 12) -> list[str]:
     """Lines that say whether a profiled window was bound by the device or by the host: the device's busy
     time per step (kernels and copies, summed; one stream) against the wall time per step, the kernels
-    launched per step, and the ops that kept the device busiest."""
+    launched per step, the ops that kept the device busiest, and the busy time by kind of kernel."""
     averages = profile.key_averages()
     # Only the device's own rows (kernels, copies): an op's row repeats the time of the kernels it launched,
     # and a ``record_function`` range (``train step N``, the optimizer's step) is mirrored on the device's
@@ -134,6 +176,8 @@ def device_time_summary(profile: torch.profiler.profile, steps: int, wall_s: flo
     for e in sorted(on_device, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
         lines.append(f"  {e.self_device_time_total / max(busy_us, 1):6.1%} "
                      f"{e.self_device_time_total / 1e3 / steps:8.2f} ms/step x{e.count // steps:<5} {e.key[:90]}")
+    if on_device:
+        lines += _by_kind(on_device, steps, busy_us)
     lines.append("  host: the ops with the most CPU time of their own")
     # The trainer's ``train step N`` ranges hold, as their own time, the Python between the ops: one row.
     ranges = [e for e in averages if e.key.startswith(STEP_RANGE)]

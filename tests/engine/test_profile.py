@@ -80,6 +80,37 @@ def test_the_device_summary_counts_kernels_once_and_not_the_ranges_mirrored_on_t
     timeline._build_tree()
     lines = device_time_summary(timeline, steps=2, wall_s=0.2)
     assert lines[0] == "wall 100.0 ms/step, device busy 40.0 ms/step (40%), 2 kernels and copies/step"
-    device_rows = lines[1:lines.index("  host: the ops with the most CPU time of their own")]
+    device_rows = lines[1:lines.index("  by kind of kernel:")]
     assert [row.split()[-1] for row in device_rows] == ["gemm_kernel", "DtoD"]
     assert device_rows[0].split()[:2] == ["75.0%", "30.00"]
+    host_at = lines.index("  host: the ops with the most CPU time of their own")
+    by_kind = lines[lines.index("  by kind of kernel:") + 1:host_at]
+    assert [row.split(None, 4)[1:] for row in by_kind] == [
+        ["30.00", "ms/step", "x1", "matmuls (cuBLAS)"], ["10.00", "ms/step", "x1", "copies, casts and fills"],
+        ["0.00", "ms/step", "x0", "of those in kernels under 10 us on average"]]
+
+
+@pytest.mark.parametrize("name,kind", [  # names from H100 profiles of the step (RESULTS.md)
+    ("void magma_sgemmEx_kernel<float, __nv_bfloat16, __nv_bfloat16, false, false, 6, 3, 5, 3, 3", "matmuls (cuBLAS)"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT", "matmuls (cuBLAS)"),
+    ("std::enable_if<true, void>::type internal::gemvx::kernel<int, int, __nv_bfloat16, __nv_bfl", "matmuls (cuBLAS)"),
+    ("triton_poi_fused__to_copy_bmm_mul_select_unfold_backward_view_27", "inductor's fused kernels"),
+    ("triton_red_fused__to_copy_bmm_mul_sum_view_24", "inductor's fused kernels"),
+    ("_sdconv_bwd_kernel", "SDConv kernels (ours)"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::Tenso",
+     "copies, casts and fills"),
+    ("Memcpy DtoD (Device -> Device)", "copies, casts and fills"),
+    ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<float, float, ",
+     "eager elementwise, norms, reductions"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std:",
+     "eager elementwise, norms, reductions"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous "
+     "namespace)::TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor",
+     "optimizer and clipping (multi-tensor)"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "collectives"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits", "attention"),
+])
+def test_kernels_are_sorted_by_kind(name, kind):
+    from convbert_ds.engine.profiling import kernel_kind
+
+    assert kernel_kind(name) == kind

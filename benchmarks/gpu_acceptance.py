@@ -61,6 +61,7 @@ class PretrainRun:
     compile: bool
     compile_mode: str = "layers"  # train.compile_mode when compile is on: layers, or step (the whole step)
     seq: int | None = None  # None: the scale's; longer sequences get a smaller batch (same tokens per step)
+    batch: int | None = None  # global batch; None: the scale's tokens per step at this row's seq
     ds_config: str = "zero1_bf16"  # ds_configs/NAME.json, precision overridden
     graph_partition: bool = True  # False: TORCHINDUCTOR_GRAPH_PARTITION=0 (inductor then reports CUDA-graph skips)
     cuda_graphs: str = "inductor"  # train.cuda_graphs: inductor, capture (by hand) or off
@@ -78,19 +79,22 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 TRAIN_STEP_BASE = ("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision", "bf16",
                    "--ds-config", AUTOCAST)
 # The most telling first (a 15-minute lease reaches the first four or five; compiling base takes about two
-# minutes): base bf16 on the paper configs' path (the autocast file, the whole step compiled and captured
-# by hand: what their cuda_graphs=auto picks on one GPU): the headline MFU figure; then with inductor's
-# CUDA graphs instead, and without inductor's graph partitioning (run only when the partitioned step
-# recorded no CUDA graph: on the H200 it recorded none); eager beside them; the paper path for small and
-# at seq 512 (the issue's other figures); ZeRO-1, the former default; then what each other switch
-# changes, one at a time. The headline rows are also profiled: where the step's time goes, kernel by kernel.
+# minutes). The issue's figures, on the paper configs' path (the autocast file, the whole step compiled and
+# captured by hand: what their cuda_graphs=auto picks on one GPU): base, the headline MFU figure (profiled:
+# where the step's time goes, kernel by kernel), at the acceptance's batch of 128 (the figures before are
+# at that batch) and at configs/base.yaml's own global batch of 256, which one GPU runs as one micro-batch;
+# small; base at seq 512. Then inductor's CUDA graphs instead of the capture (profiled), and without
+# inductor's graph partitioning (run only when the partitioned step recorded no CUDA graph: on the H200 it
+# recorded none); eager (profiled); ZeRO-1, the former default; then what each other switch changes, one at
+# a time.
 PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture")
 GPU_RUNS = [PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH, profile=True),
+            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH, batch=256),
+            PretrainRun("small", "bf16", "triton", True, "step", **PAPER_PATH),
+            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH, seq=512),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False),
             PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, profile=True),
-            PretrainRun("small", "bf16", "triton", True, "step", **PAPER_PATH),
-            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH, seq=512),
             PretrainRun("base", "bf16", "triton", True, "step"),
             PretrainRun("base", "bf16", "triton", False, **PAPER_PATH),
             PretrainRun("small", "bf16", "triton", True, "step", **PAPER_PATH, seq=512),
@@ -218,7 +222,8 @@ class Acceptance:
                                "window (wall time per step, the profiler's own cost included, against the device's "
                                "busy time; the kernels and the host ops that took the most):")
         s = self.scale
-        return "\n".join([f"Global batch {s.batch} x seq {s.seq} (longer sequences: the same tokens per step), "
+        return "\n".join([f"Global batch {s.batch} x seq {s.seq} unless the row says otherwise (longer sequences: the "
+                          f"same tokens per step), "
                           f"one process, {s.steps} steps, the DeepSpeed file of each row (`ds_configs/NAME.json`, "
                           f"precision overridden); logged every {s.log_interval} steps, medians of the rows after the first "
                           f"{s.warmup_rows}. Each run: `python -m "
@@ -245,9 +250,10 @@ class Acceptance:
         return self.work / "shards"
 
     def _shape(self, spec: PretrainRun) -> tuple[int, int]:
-        """(seq, global batch) of one run: a longer sequence keeps the scale's tokens per step."""
+        """(seq, global batch) of one run: the row's batch, or the scale's tokens per step (a longer sequence,
+        a smaller batch)."""
         seq = spec.seq or self.scale.seq
-        return seq, max(1, self.scale.batch * self.scale.seq // seq)
+        return seq, spec.batch or max(1, self.scale.batch * self.scale.seq // seq)
 
     def _train_args(self, spec: PretrainRun, shards: Path, run_dir: Path, steps: int) -> list[str]:
         """``convbert_ds.train``'s arguments for one throughput run (one process: micro = global batch); a
@@ -270,7 +276,8 @@ class Acceptance:
     def _pretrain_one(self, spec: PretrainRun, shards: Path) -> tuple[list[str], list[str]]:
         """The row's figures, and the profile summary the trainer wrote (empty when not profiled)."""
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
-        name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{self._shape(spec)[0]}_"
+        seq, batch = self._shape(spec)
+        name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{seq}_batch{batch}_"
                 f"{spec.ds_config}{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")
         run_dir = self.work / name

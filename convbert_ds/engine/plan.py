@@ -418,7 +418,8 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     ds_config = build_ds_config(cfg, base_ds, micro_batch_size, grad_accum, precision)
     if cfg.pipeline.stages > 1:
         check_pipeline_ds_config(ds_config)
-    cuda_graphs, cuda_graphs_why = check_compile(cfg, ds_config, grad_accum, cuda)
+    cuda_graphs, cuda_graphs_why = check_compile(cfg, ds_config, grad_accum, cuda,
+                                                 whole_fp32_grads(ds_config, cfg.pipeline.stages, precision))
     sets = parse_sets(cfg.data.sets)
     train_splits = [open_split(path, "train") for path, _ in sets]
     if cfg.data.verify != "size" and distributed.rank() == 0:

@@ -5,7 +5,8 @@ and a warning when inductor was asked and recorded none.
   Each step begins with ``cudagraph_mark_step_begin`` (a replay may reuse the last one's output memory:
   the previous micro-batch is done with it).
 - ``capture``: the step recorded by hand at its first training call (``model/step_capture.py``); where
-  ``.grad`` is what the optimizer reads (``plan.whole_fp32_grads``), the backward graph writes it.
+  ``.grad`` is what the optimizer reads (``plan.whole_fp32_grads``), the backward graph writes it, and
+  adds to it over a step's micro-batches.
 - Neither: the step launches its kernels one by one.
 """
 
@@ -28,14 +29,16 @@ class StepGraphs:
         self.captured: CapturedStep | None = None
         self.check_at: int | None = None
 
-    def capture(self, model: torch.nn.Module, device: torch.device, announce: bool, write_grads: bool) -> None:
+    def capture(self, model: torch.nn.Module, device: torch.device, announce: bool, write_grads: bool,
+                accumulates: bool) -> None:
         """With ``capture``: make ``model`` record its step (call it once the engine has put the parameters
         where they stay); without CUDA, say that the run goes without. ``write_grads``: the graphs write
-        ``.grad`` themselves (``plan.whole_fp32_grads``; see ``model/step_capture.py``)."""
+        ``.grad`` themselves (``plan.whole_fp32_grads``); ``accumulates``: several micro-batches per step
+        (see ``model/step_capture.py``)."""
         if self.mode != "capture":
             return
         if device.type == "cuda":
-            self.captured = capture_step(model, write_grads)
+            self.captured = capture_step(model, write_grads, accumulates)
         elif announce:
             print("note: train.cuda_graphs=capture: no CUDA device, so the step runs without CUDA graphs", flush=True)
 
@@ -50,7 +53,7 @@ class StepGraphs:
 
     def recorded(self) -> int | None:
         """Forward, backward and evaluation graphs (more when inductor partitions one; 2 when captured by
-        hand); 0: none; None: none asked for."""
+        hand, 3 with several micro-batches a step); 0: none; None: none asked for."""
         if self.trees:
             return cuda_graphs_recorded()
         return self.captured.graphs if self.captured else None

@@ -114,7 +114,7 @@ class Trainer:
             model, cfg.train.weight_decay), config=self.ds_config)
         self.device = self.engine.device
         self.graphs.capture(self.engine.module, self.device, announce=dist.get_rank() == 0,
-                            write_grads=self.plan.whole_fp32_grads)
+                            write_grads=self.plan.whole_fp32_grads, accumulates=self.grad_accum > 1)
         self.optimizer_step = None  # the pipeline engine steps inside train_batch
         if self.pipelined:
             self.dp_rank = self.engine.grid.get_data_parallel_rank()

@@ -1,4 +1,4 @@
-"""``train.cuda_graphs: capture``: the ELECTRA step's forward and backward captured by hand as two CUDA graphs.
+"""``train.cuda_graphs: capture``: the ELECTRA step's forward and backward captured by hand as CUDA graphs.
 
 On a fast GPU the step is thousands of small kernels and the host cannot queue them as fast as the device
 runs them. Inductor's CUDA-graph trees (``compile_step``'s ``reduce-overhead``) remove that cost only where
@@ -13,20 +13,22 @@ Where the gradients go (``write_grads``):
   *is* ``param.grad``. Autograd then runs one node for the whole step and none per parameter: no
   ``AccumulateGrad`` per tensor, which on an H100 took ConvBERT-base's step 568 node calls and 4.3 ms of
   host time (profiled) to hand over gradients that were already in place. For layouts where ``.grad`` is
-  what the optimizer reads (``plan.whole_fp32_grads``: ZeRO-0, fp32 weights, no fp16 loss scale) and
-  where the gradients are cleared to None between steps (DeepSpeed's ``zero_grad`` and torch's default).
+  what the optimizer reads (``plan.whole_fp32_grads``: ZeRO-0, fp32 weights, no fp16 loss scale). As
+  autograd would, a backward writes the gradients where ``.grad`` is None (cleared after each optimizer
+  step: DeepSpeed's ``zero_grad`` and torch's default do that) and, with ``accumulates`` (several
+  micro-batches per optimizer step), adds them where ``.grad`` still holds the step's earlier micro-batches'
+  (a third graph, recorded from the same forward, adds in place).
 - ``False``: the backward graph's gradients go back through autograd, one ``AccumulateGrad`` per parameter,
-  so the hooks that ZeRO-1/2 and DeepSpeed's own mixed precision hang there still run.
+  so the hooks that ZeRO-1/2 and DeepSpeed's own mixed precision hang there still run. ``.grad`` then
+  aliases the graph's memory, which the next replay overwrites: one micro-batch per optimizer step only.
 
 What the capture relies on, which the step was built for: no host read inside it (static masking, inputs
 checked on the host), one batch shape, randomness from torch's CUDA generator (a replay draws from the
 generator's current state, as eager would). What it imposes:
 
-- The outputs and the gradients live in the graphs' memory and are overwritten by the next replay. The
-  trainer reads a step's outputs before its next forward, and steps once per micro-batch: gradient
-  accumulation would keep the first micro-batch's gradients in memory that the second overwrites, so the
-  plan refuses it (as it refuses the pipeline engine, ZeRO-3 and activation checkpointing), and with
-  ``write_grads`` a backward that finds a gradient not cleared since the last one is an error.
+- The outputs live in the graphs' memory and are overwritten by the next replay: the trainer reads a
+  micro-batch's outputs before its next forward. The plan refuses what the graphs cannot replay (the
+  pipeline engine, ZeRO-3, activation checkpointing, several micro-batches a step without ``write_grads``).
 - A call the graphs do not fit (evaluation, no grad, another batch shape, packed documents appearing or
   going) runs the uncaptured forward: correct, at eager cost.
 """
@@ -78,14 +80,16 @@ class CudaGraphRecorder:
 
 class _Graphs:
     """The recorded forward and backward and their fixed memory: the inputs, the outputs, the incoming
-    gradient of the loss, the parameters' gradients."""
+    gradient of the loss, the parameters' gradients. With ``adds``, a second backward is recorded that adds
+    the gradients to those in place, for the micro-batches after a step's first."""
 
-    def __init__(self, step: Callable, args: tuple, params: list[nn.Parameter], recorder: Recorder):
+    def __init__(self, step: Callable, args: tuple, params: list[nn.Parameter], recorder: Recorder, adds: bool):
         self.params = params
         self.inputs = tuple(a.clone() for a in args)  # copies: the caller's tensors stay the caller's
         self.fields: list[str] = []
         self._live: tuple | None = None  # the forward's outputs with their autograd graph, for the backward
         self.loss_grad: torch.Tensor | None = None
+        self.grads: tuple = ()
 
         def forward() -> tuple:
             out = step(*self.inputs)
@@ -94,18 +98,30 @@ class _Graphs:
             return tuple(value.detach() for value in self._live)
 
         def backward() -> tuple:
-            return torch.autograd.grad(self._live[0], params, grad_outputs=self.loss_grad, allow_unused=True)
+            # Kept for the adding backward, recorded from the same forward.
+            return torch.autograd.grad(self._live[0], params, grad_outputs=self.loss_grad, allow_unused=True,
+                                       retain_graph=adds)
+
+        def add_backward() -> tuple:
+            fresh = torch.autograd.grad(self._live[0], params, grad_outputs=self.loss_grad, allow_unused=True)
+            held = [(g, f) for g, f in zip(self.grads, fresh) if g is not None]
+            torch._foreach_add_([g for g, _ in held], [f for _, f in held])  # what AccumulateGrad would do
+            return ()
 
         def warm_up() -> None:
             forward()
             self.loss_grad = torch.ones_like(self._live[0])
-            backward()
+            self.grads = backward()
+            if adds:
+                add_backward()
 
         recorder.warm_up(warm_up)
         self.outputs, self._replay_forward = recorder.record(forward)
         self.loss_grad = torch.empty_like(self.outputs[0])
         self.grads, self._replay_backward = recorder.record(backward)
-        self._live = None  # the backward is recorded: the forward's autograd graph is not needed again
+        self._replay_add = recorder.record(add_backward)[1] if adds else None
+        self._live = None  # the backwards are recorded: the forward's autograd graph is not needed again
+        self._written = [(p, g) for p, g in zip(params, self.grads) if g is not None]
 
     def forward(self, args: tuple) -> tuple:
         for static, given in zip(self.inputs, args):
@@ -114,23 +130,35 @@ class _Graphs:
         return tuple(value.detach() for value in self.outputs)  # new tensor objects over the fixed memory
 
     def backward(self, loss_grad: torch.Tensor) -> None:
-        if loss_grad.data_ptr() != self.loss_grad.data_ptr():
-            self.loss_grad.copy_(loss_grad)
+        """The gradients into the graph's memory (``grads``), replacing what is there."""
+        self._take(loss_grad)
         self._replay_backward()
 
-    def write_grads(self) -> None:
-        """Make each parameter's ``.grad`` the memory its gradient was just written to."""
-        for param, grad in zip(self.params, self.grads):
-            if grad is not None:
+    def backward_into_grads(self, loss_grad: torch.Tensor) -> None:
+        """The gradients into ``.grad``, as autograd would put them there: written where it is None (then
+        ``.grad`` is the graph's memory), added where it holds the last backward's (recorded with ``adds``)."""
+        self._take(loss_grad)
+        if all(param.grad is None for param, _ in self._written):
+            self._replay_backward()
+            for param, grad in self._written:
                 param.grad = grad
+        elif all(param.grad is grad for param, grad in self._written):
+            if self._replay_add is None:
+                raise RuntimeError(
+                    "train.cuda_graphs=capture: the last backward's gradients are still in .grad, and the step was "
+                    "captured for one micro-batch per optimizer step, so this backward would overwrite them rather "
+                    "than add to them; clear gradients to None after each optimizer step "
+                    "(zero_grad(set_to_none=True), as DeepSpeed's engine does), or capture with accumulates=True")
+            self._replay_add()
+        else:
+            raise RuntimeError(
+                "train.cuda_graphs=capture: a parameter's .grad is a tensor the captured backward did not write, so "
+                "it can neither write nor add to it; clear gradients to None (zero_grad(set_to_none=True)), not to "
+                "new tensors")
 
-    def check_cleared(self) -> None:
-        """Before a backward that writes ``.grad``: a gradient still there would be overwritten, not added to."""
-        if any(param.grad is not None for param in self.params):
-            raise RuntimeError("train.cuda_graphs=capture: a parameter's gradient from the last backward was not "
-                               "cleared before the next one, which would overwrite it rather than add to it; clear "
-                               "gradients to None after each optimizer step (zero_grad(set_to_none=True), as "
-                               "DeepSpeed's engine does) and take one micro-batch per optimizer step")
+    def _take(self, loss_grad: torch.Tensor) -> None:
+        if loss_grad.data_ptr() != self.loss_grad.data_ptr():
+            self.loss_grad.copy_(loss_grad)
 
 
 class _Replay(torch.autograd.Function):
@@ -150,9 +178,7 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, loss_grad: torch.Tensor, *_):
         graphs = ctx.graphs
         if ctx.write_grads:
-            graphs.check_cleared()
-            graphs.backward(loss_grad)
-            graphs.write_grads()
+            graphs.backward_into_grads(loss_grad)
             return (None,) * (4 + ctx.n_tensors)
         graphs.backward(loss_grad)
         return (None,) * (4 + ctx.n_args) + tuple(g if g is None else g.detach() for g in graphs.grads)
@@ -161,8 +187,8 @@ class _Replay(torch.autograd.Function):
 class CapturedStep:
     """Stands in for ``model.forward`` (see ``capture_step``)."""
 
-    def __init__(self, model: nn.Module, forward, write_grads: bool, recorder: Recorder | None):
-        self.model, self.uncaptured, self.write_grads = model, forward, write_grads
+    def __init__(self, model: nn.Module, forward, write_grads: bool, accumulates: bool, recorder: Recorder | None):
+        self.model, self.uncaptured, self.write_grads, self.accumulates = model, forward, write_grads, accumulates
         self.recorder = recorder
         self.captured: _Graphs | None = None
         self.signature = None
@@ -171,8 +197,9 @@ class CapturedStep:
 
     @property
     def graphs(self) -> int:
-        """CUDA graphs captured: the forward's and the backward's once the first training call has run."""
-        return 0 if self.captured is None else 2
+        """CUDA graphs captured once the first training call has run: the forward's and the backward's, and
+        the adding backward's with ``accumulates``."""
+        return 0 if self.captured is None else 3 if self.accumulates else 2
 
     @property
     def fields(self) -> list[str] | None:
@@ -212,7 +239,7 @@ class CapturedStep:
         with torch.random.fork_rng(devices=devices), torch.autocast(
                 device.type, dtype=torch.get_autocast_dtype(device.type),
                 enabled=torch.is_autocast_enabled(device.type), cache_enabled=False):
-            self.captured = _Graphs(step, args, params, recorder)
+            self.captured = _Graphs(step, args, params, recorder, adds=self.accumulates)
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         self.signature = signature
 
@@ -224,12 +251,17 @@ class CapturedStep:
                   file=sys.stderr, flush=True)
 
 
-def capture_step(model: nn.Module, write_grads: bool, recorder: Recorder | None = None) -> CapturedStep:
+def capture_step(model: nn.Module, write_grads: bool, accumulates: bool = False,
+                 recorder: Recorder | None = None) -> CapturedStep:
     """Make ``model`` (an ``ElectraForPretraining``, eager or after ``compile_step``) capture its training
     step as CUDA graphs at its first training call and replay them after. Call it once the parameters are
     where training keeps them (after the engine is built): the graphs read them at fixed addresses.
-    ``write_grads``: see the module's docstring. ``recorder``: how to record (CUDA graphs when None; the
-    step is then captured only for CUDA inputs). Returns the stand-in, whose ``graphs`` says what was captured."""
-    captured = CapturedStep(model, model.forward, write_grads, recorder)
+    ``write_grads``, ``accumulates`` (several micro-batches per optimizer step; needs ``write_grads``): see
+    the module's docstring. ``recorder``: how to record (CUDA graphs when None; the step is then captured
+    only for CUDA inputs). Returns the stand-in, whose ``graphs`` says what was captured."""
+    if accumulates and not write_grads:
+        raise ValueError("capture_step: accumulates=True needs write_grads=True (gradients handed to autograd "
+                         "alias the graph's memory, which the next micro-batch's replay overwrites)")
+    captured = CapturedStep(model, model.forward, write_grads, accumulates, recorder)
     model.forward = captured
     return captured

@@ -124,3 +124,27 @@ def test_a_replay_follows_the_eager_step(write_grads):
         assert torch.allclose(loss, eager_loss, rtol=1e-5, atol=1e-6), (step, loss, eager_loss)
         for g, e in zip(grads, eager_grads):
             assert torch.allclose(g, e, rtol=1e-4, atol=1e-6), (step, (g - e).abs().max())
+
+
+def test_micro_batches_add_up_in_the_captured_graphs():
+    """``accumulates`` (several micro-batches a step, ZeRO-0): the first micro-batch's backward graph writes
+    ``.grad``, a third graph adds the next ones in place; the sums are the eager step's (fp32, so the only
+    differences are the backward's atomic adds)."""
+    model, _, batch = _tiny_step_parts()
+    twin = copy.deepcopy(model)
+    captured = capture_step(model, write_grads=True, accumulates=True)
+    other = (batch[0].flip(0), batch[1], batch[2])
+    for step in range(2):
+        sums = []
+        for net in (model, twin):
+            for micro, inputs in enumerate((batch, other, batch)):
+                torch.manual_seed(100 + 10 * step + micro)
+                (net(*inputs, check=False).loss / 3).backward()
+            sums.append([p.grad.clone() for p in net.parameters()])
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 1e-3 * p.grad
+                    p.grad = None
+        for g, e in zip(*sums):
+            assert torch.allclose(g, e, rtol=1e-4, atol=1e-6), (step, (g - e).abs().max())
+    assert captured.graphs == 3

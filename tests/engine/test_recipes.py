@@ -41,7 +41,7 @@ def test_every_config_resolves_at_the_world_sizes_it_names(path, tiny_corpus, tm
         assert plan.micro_batch_size * plan.grad_accum * world == cfg.train.global_batch_size
         assert plan.electra.discriminator.max_position_embeddings == 512, "exports take 512 tokens"
         if cfg.train.cuda_graphs == "auto":  # the paper configs: a capture by hand wherever the run allows it
-            expected = ("capture", "") if plan.grad_accum == 1 else \
+            expected = ("capture", "") if plan.grad_accum == 1 or plan.whole_fp32_grads else \
                 ("inductor", f"{plan.grad_accum} micro-batches per step")
             assert (plan.cuda_graphs, plan.cuda_graphs_why) == expected, (path.name, world)
             assert resolve(cfg, world, cuda=False).cuda_graphs == "off"  # nothing to capture, nothing said

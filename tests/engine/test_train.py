@@ -167,7 +167,7 @@ def test_torchrun_launches_the_same_trainer(tiny_corpus, tmp_path):
     (["train.cuda_graphs=capture", "train.activation_checkpointing=true"],
      "train.cuda_graphs=capture with train.activation_checkpointing=true"),
     (["train.cuda_graphs=capture", "train.micro_batch_size=4"],
-     "train.cuda_graphs=capture with 2 micro-batches per step: every replay"),
+     "train.cuda_graphs=capture with 2 micro-batches per step: with ZeRO-1/2"),
     (["train.cuda_graphs=graphs"], "train.cuda_graphs='graphs': use one of ['inductor', 'capture', 'auto', 'off']"),
     (["pipeline.stages=2", "deepspeed.config=ds_configs/zero0_autocast_bf16.json", "train.precision=bf16"],
      "torch_autocast.enabled=true with pipeline parallelism: not supported"),
@@ -185,12 +185,15 @@ def test_invalid_configs_are_rejected_before_any_rank_starts(overrides, message,
     ([], True, ("capture", "")),
     (["train.micro_batch_size=4"], True, ("inductor", "2 micro-batches per step")),
     (["train.micro_batch_size=4", "train.compile=false"], True, ("off", "2 micro-batches per step")),
+    (["train.micro_batch_size=4", "deepspeed.config=ds_configs/zero0_autocast_bf16.json"], True, ("capture", "")),
     (["train.activation_checkpointing=true"], True, ("inductor", "train.activation_checkpointing=true")),
     ([], False, ("off", "")),
-], ids=["one-micro-batch", "accumulation", "accumulation-eager", "recompute", "no-gpu"])
+], ids=["one-micro-batch", "accumulation", "accumulation-eager", "accumulation-zero0", "recompute", "no-gpu"])
 def test_cuda_graphs_auto_captures_where_the_run_allows_it(overrides, cuda, expected, tiny_corpus):
     """``train.cuda_graphs=auto`` (the paper configs): a capture by hand, else inductor's trees for a compiled
-    step (none for an eager one), with the setting that ruled the capture out; off without a GPU."""
+    step (none for an eager one), with the setting that ruled the capture out; off without a GPU. Several
+    micro-batches a step are captured where the backward adds them up itself (ZeRO-0 with fp32 weights,
+    as in the autocast file), not under the tiny config's ZeRO-2."""
     cfg = load_config(TINY_CONFIG, [f"data.sets=[{{path: '{tiny_corpus['shards']}'}}]", "train.cuda_graphs=auto",
                                     "train.compile=true", "train.compile_mode=step", *overrides])
     plan = resolve(cfg, world_size=2, cuda=cuda)

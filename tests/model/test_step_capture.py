@@ -6,8 +6,8 @@ What is checked: a replayed step computes what the eager step computes (losses, 
 after a few optimizer steps), whether the backward writes ``.grad`` itself (``write_grads``) or hands the
 gradients to autograd; with ``write_grads`` autograd runs no ``AccumulateGrad`` per parameter (ConvBERT-base
 has 568 parameter tensors: on an H100 their ``AccumulateGrad`` calls took 4.3 ms of host time a step,
-profiled); and a
-gradient not cleared since the last backward is an error, not a silent overwrite.
+profiled); several micro-batches per step add up as in eager (``accumulates``); and a gradient the graph
+cannot write or add to is an error, not a silent overwrite.
 """
 
 import copy
@@ -66,7 +66,7 @@ def test_a_replayed_step_trains_as_the_eager_step(write_grads):
     model, batch = _model_and_batch()
     twin = copy.deepcopy(model)
     recorder = RerunRecorder()
-    captured = capture_step(model, write_grads, recorder)
+    captured = capture_step(model, write_grads, recorder=recorder)
     replayed, eager = _train(model, batch), _train(twin, batch)
     assert captured.graphs == 2 and recorder.replays == 2 * STEPS  # a forward and a backward replay per step
     for step, ((loss, grads), (eager_loss, eager_grads)) in enumerate(zip(replayed, eager)):
@@ -82,7 +82,7 @@ def test_a_replayed_step_trains_as_the_eager_step(write_grads):
 @pytest.mark.parametrize("write_grads", [True, False], ids=["grads-written", "grads-through-autograd"])
 def test_written_gradients_take_no_accumulate_grad_per_parameter(write_grads):
     model, batch = _model_and_batch()
-    capture_step(model, write_grads, RerunRecorder())
+    capture_step(model, write_grads, recorder=RerunRecorder())
     tensors = sum(1 for _ in model.parameters())
     model(*batch, check=False).loss.backward()  # the first call records
     model.zero_grad(set_to_none=True)
@@ -96,18 +96,62 @@ def test_written_gradients_take_no_accumulate_grad_per_parameter(write_grads):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def _train_accumulating(model, batches) -> list[list[torch.Tensor]]:
+    """Two optimizer steps of len(batches) micro-batches each (the loss scaled as DeepSpeed scales it); the
+    summed gradients of each step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    summed = []
+    for step in range(2):
+        for micro, batch in enumerate(batches):
+            torch.manual_seed(100 + 10 * step + micro)
+            (model(*batch, check=False).loss / len(batches)).backward()
+        summed.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return summed
+
+
+def test_micro_batches_add_up_as_in_eager():
+    """``accumulates``: the first micro-batch's backward writes ``.grad``, the next ones add to it in place."""
+    model, first = _model_and_batch()
+    second = (first[0].flip(0), first[1].flip(0), first[2])
+    twin = copy.deepcopy(model)
+    recorder = RerunRecorder()
+    capture_step(model, True, accumulates=True, recorder=recorder)
+    micro_batches = [first, second, first]
+    replayed, eager = _train_accumulating(model, micro_batches), _train_accumulating(twin, micro_batches)
+    assert recorder.replays == 2 * 3 * 2
+    for step, (grads, eager_grads) in enumerate(zip(replayed, eager)):
+        for name, g, e in zip([n for n, _ in model.named_parameters()], grads, eager_grads):
+            assert torch.equal(g, e), (step, name, (g - e).abs().max())
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_gradients_the_graph_did_not_write_are_an_error():
+    model, batch = _model_and_batch()
+    capture_step(model, True, accumulates=True, recorder=RerunRecorder())
+    model(*batch, check=False).loss.backward()
+    first = next(model.parameters())
+    first.grad = torch.zeros_like(first)  # cleared to a new tensor, not to None
+    with pytest.raises(RuntimeError, match=r"a tensor the captured backward did not write"):
+        model(*batch, check=False).loss.backward()
+    with pytest.raises(ValueError, match="accumulates=True needs write_grads=True"):
+        capture_step(_model_and_batch()[0], False, accumulates=True)
+
+
 def test_a_gradient_not_cleared_is_an_error():
     model, batch = _model_and_batch()
-    capture_step(model, True, RerunRecorder())
+    capture_step(model, True, recorder=RerunRecorder())
     model(*batch, check=False).loss.backward()
-    with pytest.raises(RuntimeError, match=r"not cleared .*zero_grad\(set_to_none=True\)"):
+    with pytest.raises(RuntimeError, match=r"still in .grad.*would overwrite.*zero_grad\(set_to_none=True\)"):
         model(*batch, check=False).loss.backward()
 
 
 def test_evaluation_and_other_shapes_run_uncaptured(capsys):
     model, batch = _model_and_batch()
     recorder = RerunRecorder()
-    capture_step(model, True, recorder)
+    capture_step(model, True, recorder=recorder)
     model(*batch, check=False).loss.backward()
     model.zero_grad(set_to_none=True)
     replays = recorder.replays

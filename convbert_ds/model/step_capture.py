@@ -17,7 +17,8 @@ Where the gradients go (``write_grads``):
   autograd would, a backward writes the gradients where ``.grad`` is None (cleared after each optimizer
   step: DeepSpeed's ``zero_grad`` and torch's default do that) and, with ``accumulates`` (several
   micro-batches per optimizer step), adds them where ``.grad`` still holds the step's earlier micro-batches'
-  (a third graph, recorded from the same forward, adds in place).
+  (a third graph, recorded from the same forward, adds in place). Gradients autograd put in ``.grad``
+  itself (the zeros of a micro-batch the trainer drops) are added to as well, at the cost of a copy.
 - ``False``: the backward graph's gradients go back through autograd, one ``AccumulateGrad`` per parameter,
   so the hooks that ZeRO-1/2 and DeepSpeed's own mixed precision hang there still run. ``.grad`` then
   aliases the graph's memory, which the next replay overwrites: one micro-batch per optimizer step only.
@@ -136,13 +137,16 @@ class _Graphs:
 
     def backward_into_grads(self, loss_grad: torch.Tensor) -> None:
         """The gradients into ``.grad``, as autograd would put them there: written where it is None (then
-        ``.grad`` is the graph's memory), added where it holds the last backward's (recorded with ``adds``)."""
+        ``.grad`` is the graph's memory), added where it holds the step's earlier micro-batches' (the adding
+        graph, recorded with ``adds``) or tensors of autograd's own (a dropped micro-batch's zeros)."""
         self._take(loss_grad)
-        if all(param.grad is None for param, _ in self._written):
+        held = [param.grad for param, _ in self._written]
+        ours = [h is grad for h, (_, grad) in zip(held, self._written)]
+        if all(h is None for h in held):
             self._replay_backward()
             for param, grad in self._written:
                 param.grad = grad
-        elif all(param.grad is grad for param, grad in self._written):
+        elif all(ours):
             if self._replay_add is None:
                 raise RuntimeError(
                     "train.cuda_graphs=capture: the last backward's gradients are still in .grad, and the step was "
@@ -150,11 +154,18 @@ class _Graphs:
                     "than add to them; clear gradients to None after each optimizer step "
                     "(zero_grad(set_to_none=True), as DeepSpeed's engine does), or capture with accumulates=True")
             self._replay_add()
-        else:
+        elif any(ours):
             raise RuntimeError(
-                "train.cuda_graphs=capture: a parameter's .grad is a tensor the captured backward did not write, so "
-                "it can neither write nor add to it; clear gradients to None (zero_grad(set_to_none=True)), not to "
-                "new tensors")
+                "train.cuda_graphs=capture: some parameters' .grad is the captured backward's memory and others' "
+                "is not, so the next replay would overwrite gradients it cannot add to; clear gradients to None "
+                "(zero_grad(set_to_none=True)) rather than replacing some of them")
+        else:  # autograd's own tensors (and None): added to, at the cost of a copy, never aliased
+            self._replay_backward()
+            added = [(h, grad) for h, (_, grad) in zip(held, self._written) if h is not None]
+            torch._foreach_add_([h for h, _ in added], [grad for _, grad in added])
+            for h, (param, grad) in zip(held, self._written):
+                if h is None:
+                    param.grad = grad.clone()
 
     def _take(self, loss_grad: torch.Tensor) -> None:
         if loss_grad.data_ptr() != self.loss_grad.data_ptr():

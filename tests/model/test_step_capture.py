@@ -6,8 +6,9 @@ What is checked: a replayed step computes what the eager step computes (losses, 
 after a few optimizer steps), whether the backward writes ``.grad`` itself (``write_grads``) or hands the
 gradients to autograd; with ``write_grads`` autograd runs no ``AccumulateGrad`` per parameter (ConvBERT-base
 has 568 parameter tensors: on an H100 their ``AccumulateGrad`` calls took 4.3 ms of host time a step,
-profiled); several micro-batches per step add up as in eager (``accumulates``); and a gradient the graph
-cannot write or add to is an error, not a silent overwrite.
+profiled); several micro-batches per step add up as in eager (``accumulates``), and so do gradients
+autograd left in ``.grad`` (a dropped micro-batch's zeros); and gradients the graph could overwrite are an
+error, not a silent loss.
 """
 
 import copy
@@ -128,13 +129,36 @@ def test_micro_batches_add_up_as_in_eager():
         assert torch.equal(p, q), name
 
 
-def test_gradients_the_graph_did_not_write_are_an_error():
+def test_gradients_of_autograd_s_own_are_added_to():
+    """A micro-batch the trainer drops (``nonfinite_check_interval: 1``: a zero loss through every parameter)
+    leaves autograd's own zeros in ``.grad``; the next captured backward adds to them, as autograd would, and
+    never aliases them."""
+    model, batch = _model_and_batch()
+    twin = copy.deepcopy(model)
+    capture_step(model, True, recorder=RerunRecorder())
+    model(*batch, check=False).loss.backward()  # the first call records
+    model.zero_grad(set_to_none=True)
+    grads = []
+    for net in (model, twin):
+        torch.manual_seed(7)
+        sum(p.sum() * 0.0 for p in net.parameters()).backward()  # the trainer's dropped micro-batch
+        first = next(net.parameters())
+        first.grad = None  # and one parameter without a gradient yet
+        net(*batch, check=False).loss.backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    for g, e in zip(*grads):
+        assert torch.equal(g, e)
+    written = model.forward.captured.grads
+    assert not any(p.grad.data_ptr() == g.data_ptr() for p, g in zip(model.parameters(), written) if g is not None)
+
+
+def test_gradients_partly_replaced_are_an_error():
     model, batch = _model_and_batch()
     capture_step(model, True, accumulates=True, recorder=RerunRecorder())
     model(*batch, check=False).loss.backward()
     first = next(model.parameters())
-    first.grad = torch.zeros_like(first)  # cleared to a new tensor, not to None
-    with pytest.raises(RuntimeError, match=r"a tensor the captured backward did not write"):
+    first.grad = torch.zeros_like(first)  # replaced, while the others hold the graph's memory
+    with pytest.raises(RuntimeError, match=r"some parameters' .grad is the captured backward's memory"):
         model(*batch, check=False).loss.backward()
     with pytest.raises(ValueError, match="accumulates=True needs write_grads=True"):
         capture_step(_model_and_batch()[0], False, accumulates=True)

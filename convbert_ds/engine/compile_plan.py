@@ -54,8 +54,9 @@ def _capture_refusals(cfg: TrainConfig, stage: int, grad_accum: int, whole_grads
                (cfg.train.activation_checkpointing, "train.activation_checkpointing=true",
                 f"the recomputation saves and restores the random state inside the backward; {other}"),
                (grad_accum > 1 and not whole_grads, f"{grad_accum} micro-batches per step",
-                "with ZeRO-1/2, or DeepSpeed's own bf16/fp16 weights, the captured backward hands its gradients to "
-                "DeepSpeed in memory that the next micro-batch's replay overwrites before they add up; set "
+                "with ZeRO-1/2, DeepSpeed's own bf16/fp16 weights or fp16's loss scaling, the captured backward "
+                "hands its gradients to DeepSpeed in memory that the next micro-batch's replay overwrites before "
+                "they add up; set "
                 "train.micro_batch_size to train.global_batch_size / ranks, use a ZeRO-0 file with fp32 weights "
                 f"(ds_configs/zero0_autocast_bf16.json, where the captured step adds them up itself), or {other}")]
     return [(setting, reason) for refuse, setting, reason in refused if refuse]

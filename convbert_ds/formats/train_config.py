@@ -156,7 +156,8 @@ class TrainSection:
         "CUDA graphs on GPUs, so the host does not queue each kernel (nothing on CPU): inductor = inductor's "
         "CUDA-graph trees for train.compile_mode=step (reduce-overhead; inductor may decline, see cuda_graphs in "
         "the log); capture = the whole ELECTRA forward and backward captured at the first step and replayed, "
-        "eager or compiled (one micro-batch a step, no pipeline, ZeRO 0-2, no activation checkpointing); auto = "
+        "eager or compiled (no pipeline, ZeRO 0-2, no activation checkpointing; several micro-batches a step "
+        "only at ZeRO-0 with fp32 weights); auto = "
         "capture where the run allows it, else inductor (the start line says which and why); off = "
         "none")] = "inductor"
     profile: ProfileSection = field(default_factory=ProfileSection)

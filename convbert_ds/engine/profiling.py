@@ -131,9 +131,7 @@ SHORT_KERNEL_US = 10.0  # kernels this short on average are bound by their launc
 
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
-    if lowered.startswith("triton_"):
-        return KERNEL_KINDS[0][0]
-    return next((kind for kind, marks in KERNEL_KINDS[1:] if any(m in lowered for m in marks)), "other")
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
 
 
 def _by_kind(on_device: list, steps: int, busy_us: float) -> list[str]:

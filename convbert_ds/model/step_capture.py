@@ -59,8 +59,8 @@ class Recorder(Protocol):
 
 
 class CudaGraphRecorder:
-    """CUDA graphs sharing one memory pool; recorded in the order they replay (forward, then backward), so
-    that a replay never overwrites memory a later one still reads."""
+    """CUDA graphs sharing one memory pool; recorded in the order they first replay (forward, backward, then
+    the adding backward), so that a replay never overwrites memory a later one still reads."""
 
     def __init__(self):
         self.pool = torch.cuda.graph_pool_handle()
@@ -81,11 +81,14 @@ class CudaGraphRecorder:
 
 class _Graphs:
     """The recorded forward and backward and their fixed memory: the inputs, the outputs, the incoming
-    gradient of the loss, the parameters' gradients. With ``adds``, a second backward is recorded that adds
-    the gradients to those in place, for the micro-batches after a step's first."""
+    gradient of the loss, the parameters' gradients. ``write_grads`` and ``adds`` (``accumulates``): see the
+    module's docstring; with ``adds`` a third graph adds the gradients to those in place."""
 
-    def __init__(self, step: Callable, args: tuple, params: list[nn.Parameter], recorder: Recorder, adds: bool):
-        self.params = params
+    def __init__(self, step: Callable, args: tuple, params: list[nn.Parameter], recorder: Recorder,
+                 write_grads: bool, adds: bool):
+        self.params, self.write_grads = params, write_grads
+        # What ``_Replay`` takes besides the batch: the parameters when autograd is to receive their gradients.
+        self.autograd_inputs = () if write_grads else tuple(params)
         self.inputs = tuple(a.clone() for a in args)  # copies: the caller's tensors stay the caller's
         self.fields: list[str] = []
         self._live: tuple | None = None  # the forward's outputs with their autograd graph, for the backward
@@ -98,15 +101,15 @@ class _Graphs:
             self._live = tuple(getattr(out, name) for name in self.fields)
             return tuple(value.detach() for value in self._live)
 
-        def backward() -> tuple:
-            # Kept for the adding backward, recorded from the same forward.
+        def gradients(retain: bool) -> tuple:
             return torch.autograd.grad(self._live[0], params, grad_outputs=self.loss_grad, allow_unused=True,
-                                       retain_graph=adds)
+                                       retain_graph=retain)
+
+        def backward() -> tuple:
+            return gradients(retain=adds)  # kept for the adding backward, recorded from the same forward
 
         def add_backward() -> tuple:
-            fresh = torch.autograd.grad(self._live[0], params, grad_outputs=self.loss_grad, allow_unused=True)
-            held = [(g, f) for g, f in zip(self.grads, fresh) if g is not None]
-            torch._foreach_add_([g for g, _ in held], [f for _, f in held])  # what AccumulateGrad would do
+            _add_into(self.grads, gradients(retain=False))  # what AccumulateGrad would do
             return ()
 
         def warm_up() -> None:
@@ -122,7 +125,8 @@ class _Graphs:
         self.grads, self._replay_backward = recorder.record(backward)
         self._replay_add = recorder.record(add_backward)[1] if adds else None
         self._live = None  # the backwards are recorded: the forward's autograd graph is not needed again
-        self._written = [(p, g) for p, g in zip(params, self.grads) if g is not None]
+        written = [(p, g) for p, g in zip(params, self.grads) if g is not None]
+        self._written_params, self._written_grads = [p for p, _ in written], [g for _, g in written]
 
     def forward(self, args: tuple) -> tuple:
         for static, given in zip(self.inputs, args):
@@ -131,22 +135,24 @@ class _Graphs:
         return tuple(value.detach() for value in self.outputs)  # new tensor objects over the fixed memory
 
     def backward(self, loss_grad: torch.Tensor) -> None:
-        """The gradients into the graph's memory (``grads``), replacing what is there."""
+        """Without ``write_grads``: the gradients into the graph's memory (``grads``), replacing what is there."""
         self._take(loss_grad)
         self._replay_backward()
 
     def backward_into_grads(self, loss_grad: torch.Tensor) -> None:
-        """The gradients into ``.grad``, as autograd would put them there: written where it is None (then
-        ``.grad`` is the graph's memory), added where it holds the step's earlier micro-batches' (the adding
-        graph, recorded with ``adds``) or tensors of autograd's own (a dropped micro-batch's zeros)."""
+        """With ``write_grads``: the gradients into ``.grad``, as autograd would put them there: written where it
+        is None (then ``.grad`` is the graph's memory), added where it holds the step's earlier micro-batches'
+        (the adding graph) or tensors of autograd's own (a dropped micro-batch's zeros). One pass over the
+        parameters' ``.grad`` to tell which, no device op."""
         self._take(loss_grad)
-        held = [param.grad for param, _ in self._written]
-        ours = [h is grad for h, (_, grad) in zip(held, self._written)]
+        held = [param.grad for param in self._written_params]
         if all(h is None for h in held):
             self._replay_backward()
-            for param, grad in self._written:
+            for param, grad in zip(self._written_params, self._written_grads):
                 param.grad = grad
-        elif all(ours):
+            return
+        ours = [h is grad for h, grad in zip(held, self._written_grads)]
+        if all(ours):
             if self._replay_add is None:
                 raise RuntimeError(
                     "train.cuda_graphs=capture: the last backward's gradients are still in .grad, and the step was "
@@ -161,9 +167,8 @@ class _Graphs:
                 "(zero_grad(set_to_none=True)) rather than replacing some of them")
         else:  # autograd's own tensors (and None): added to, at the cost of a copy, never aliased
             self._replay_backward()
-            added = [(h, grad) for h, (_, grad) in zip(held, self._written) if h is not None]
-            torch._foreach_add_([h for h, _ in added], [grad for _, grad in added])
-            for h, (param, grad) in zip(held, self._written):
+            _add_into(held, self._written_grads)
+            for h, param, grad in zip(held, self._written_params, self._written_grads):
                 if h is None:
                     param.grad = grad.clone()
 
@@ -172,13 +177,19 @@ class _Graphs:
             self.loss_grad.copy_(loss_grad)
 
 
+def _add_into(totals, new) -> None:
+    """``totals[i] += new[i]`` in one multi-tensor op, skipping the Nones of either list."""
+    pairs = [(t, n) for t, n in zip(totals, new) if t is not None and n is not None]
+    torch._foreach_add_([t for t, _ in pairs], [n for _, n in pairs])
+
+
 class _Replay(torch.autograd.Function):
     """One autograd node for the captured step. Its inputs: the step's graphs, a tensor that needs a gradient
-    (so that the loss has one), the batch, and (when the gradients go back through autograd) the parameters."""
+    (so that the loss has one), the batch, and ``graphs.autograd_inputs``."""
 
     @staticmethod
-    def forward(ctx, graphs: _Graphs, write_grads: bool, anchor: torch.Tensor, n_args: int, *tensors):
-        ctx.graphs, ctx.write_grads, ctx.n_args, ctx.n_tensors = graphs, write_grads, n_args, len(tensors)
+    def forward(ctx, graphs: _Graphs, anchor: torch.Tensor, n_args: int, *tensors):
+        ctx.graphs, ctx.n_args = graphs, n_args
         ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs the loss does not use
         outputs = graphs.forward(tensors[:n_args])
         ctx.mark_non_differentiable(*outputs[1:])  # metrics and logits: only the loss is trained on
@@ -187,12 +198,12 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, loss_grad: torch.Tensor, *_):
-        graphs = ctx.graphs
-        if ctx.write_grads:
+        graphs, no_grads = ctx.graphs, (None,) * (3 + ctx.n_args)
+        if graphs.write_grads:
             graphs.backward_into_grads(loss_grad)
-            return (None,) * (4 + ctx.n_tensors)
+            return no_grads
         graphs.backward(loss_grad)
-        return (None,) * (4 + ctx.n_args) + tuple(g if g is None else g.detach() for g in graphs.grads)
+        return no_grads + tuple(g if g is None else g.detach() for g in graphs.grads)
 
 
 class CapturedStep:
@@ -232,8 +243,7 @@ class CapturedStep:
         elif signature != self.signature:
             self._warn_once(signature)
             return self.uncaptured(*args[:3], check=False, document_ids=document_ids)
-        params = () if self.write_grads else tuple(self.captured.params)
-        values = _Replay.apply(self.captured, self.write_grads, self._anchor, len(args), *args, *params)
+        values = _Replay.apply(self.captured, self._anchor, len(args), *args, *self.captured.autograd_inputs)
         return PretrainingOutput(**dict(zip(self.captured.fields, values)))
 
     def _capture(self, args: tuple, signature: tuple) -> None:
@@ -250,7 +260,7 @@ class CapturedStep:
         with torch.random.fork_rng(devices=devices), torch.autocast(
                 device.type, dtype=torch.get_autocast_dtype(device.type),
                 enabled=torch.is_autocast_enabled(device.type), cache_enabled=False):
-            self.captured = _Graphs(step, args, params, recorder, adds=self.accumulates)
+            self.captured = _Graphs(step, args, params, recorder, self.write_grads, adds=self.accumulates)
         self._anchor = torch.zeros((), device=device, requires_grad=True)
         self.signature = signature
 

@@ -29,8 +29,8 @@ def _run(name: str, capture: bool, micro_batches: int) -> tuple[list[float], lis
 
     from convbert_ds.config import ElectraConfig
     from convbert_ds.engine.optimizer_step import OptimizerStep
-    from convbert_ds.engine.plan import build_ds_config, load_ds_config, precision_of, trainer_clip_norm
-    from convbert_ds.engine.plan import whole_fp32_grads
+    from convbert_ds.engine.plan import (build_ds_config, load_ds_config, precision_of, trainer_clip_norm,
+                                         whole_fp32_grads)
     from convbert_ds.formats.train_config import load_config
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.optim import param_groups

@@ -77,3 +77,29 @@ def test_the_run_without_graph_partitioning_is_skipped_once_the_partitioned_step
                       ("0", ""), ("-", ""), ("", "")]:  # none captured, no CUDA, or the run failed: run it
         assert _partitioning_captured(unpartitioned, {partitioned: cell}) == why, cell
     assert _partitioning_captured(unpartitioned, {}) == ""  # the partitioned run is not in the list
+
+
+def test_a_command_stopped_at_its_limit_says_where_it_was_and_leaves_nothing_running(tmp_path):
+    """A row that hangs or compiles past its limit: its log ends with the main thread's Python stack (the
+    acceptance prints it beside the table), and its children (data loader and compile workers) go with it."""
+    from benchmarks.limited_run import run_group, where_it_stopped
+
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              "def capture_the_step():\n"
+              "    time.sleep(600)\n"
+              "capture_the_step()\n")
+    code, stdout, stderr = run_group([sys.executable, "-c", script], dict(os.environ), limit_s=5)
+    assert code == 124
+    stack = where_it_stopped(stdout + stderr)
+    assert stack[0].startswith("Current thread") and "in capture_the_step" in stack[1], stderr[-2000:]
+    child = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed with its parent's group (it may linger as a zombie)
+        for _ in range(50):
+            os.kill(child, 0)
+            if open(f"/proc/{child}/stat").read().split()[2] == "Z":
+                raise ProcessLookupError
+            __import__("time").sleep(0.1)
+    assert where_it_stopped("a command that finished\n") == []

@@ -364,9 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     from convbert_ds.engine.plan import host_sync_warnings, whole_fp32_grads
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.convbert import check_inputs
-    from convbert_ds.model.layers import compile_layers, compile_step
+    from convbert_ds.model.layers import compile_layers, compile_step, probe_triton_kernels
     from convbert_ds.model.optim import param_groups
-    from convbert_ds.model.sdconv import probe_sdconv
     from convbert_ds.model.step_capture import capture_step
 
     cuda = torch.cuda.is_available()
@@ -389,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
             compile_layers(plain), compile_layers(wrapped), compile_hf_layers(hf)
         if cuda and (args.compile_step or args.capture):
             # As the trainer does: sdconv_impl=auto probes the kernels eagerly, not inside a graph.
-            probe_sdconv(plain, device, torch.bfloat16 if args.precision == "bf16" else torch.float32)
+            probe_triton_kernels(plain, device, torch.bfloat16 if args.precision == "bf16" else torch.float32)
         trees = cuda and not args.capture  # inductor's CUDA-graph trees for --compile-step
         if args.compile_step:
             compile_step(plain, trees), compile_step(wrapped, trees)

@@ -66,6 +66,8 @@ class ModelConfig:
     # dynamic conv with the kernel from the query alone, a conventional
     # depthwise-separable conv, or no conv heads at all (BERT/ELECTRA).
     conv_type: str = "sdconv"
+    # torch, triton or auto (Triton on CUDA once probed): the dynamic conv's kernels and the packed
+    # documents' depthwise conv's (model/sdconv.py, model/depthwise.py).
     sdconv_impl: str = "auto"
     # transformers lets padded values leak into the conv window of real tokens;
     # parity needs that, so masking them is opt-in.

@@ -32,8 +32,7 @@ from convbert_ds.formats.init_dir import load_init_weights
 from convbert_ds.formats.train_config import DownstreamSection
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.convbert import check_inputs
-from convbert_ds.model.layers import compile_layers, compile_step, compiled_graph_count
-from convbert_ds.model.sdconv import probe_sdconv
+from convbert_ds.model.layers import compile_layers, compile_step, compiled_graph_count, probe_triton_kernels
 from convbert_ds.model.optim import param_groups
 
 EXIT_PREEMPTED = 3
@@ -84,7 +83,7 @@ class Trainer:
             # sdconv_impl=auto decides per layout by running the kernels once: eagerly, before tracing or
             # capturing.
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
-            probe_sdconv(model, torch.device("cuda", torch.cuda.current_device()), dtype)
+            probe_triton_kernels(model, torch.device("cuda", torch.cuda.current_device()), dtype)
         if t.compile and t.compile_mode == "step":
             compile_step(model, cuda_graphs=self.graphs.trees)
         elif t.compile:

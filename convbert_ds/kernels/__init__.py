@@ -1,10 +1,12 @@
-"""Fused Triton SDConv: ``triton_dynamic_conv`` is what ``dynamic_conv(impl="triton")`` calls.
+"""Triton kernels of the model, each registered as custom ops (fake implementations and an autograd formula),
+so that ``torch.compile(fullgraph=True)`` keeps them in its graph as opaque calls:
 
-Same contract as ``convbert_ds.model.sdconv.dynamic_conv_reference``; the kernels
-live in ``sdconv_triton`` (their docstring has the maths, block layout and precision).
-They are registered as the custom ops ``convbert_ds::sdconv_forward`` and
-``convbert_ds::sdconv_backward`` (with fake implementations and an autograd formula),
-so ``torch.compile(fullgraph=True)`` keeps them in its graph as opaque calls.
+- ``triton_dynamic_conv``, what ``dynamic_conv(impl="triton")`` calls: fused SDConv, the same contract as
+  ``convbert_ds.model.sdconv.dynamic_conv_reference``; kernels in ``sdconv_triton`` (their docstring has
+  the maths, block layout and precision); ops ``convbert_ds::sdconv_forward`` and ``sdconv_backward``.
+- ``triton_document_conv``, what ``document_depthwise_conv(impl="triton")`` calls: the span-aware key's
+  depthwise conv over packed documents; kernels in ``document_conv_triton``; ops
+  ``convbert_ds::document_conv_forward`` and ``document_conv_backward``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch import library as torch_ops
 
-from convbert_ds.kernels import sdconv_triton
+from convbert_ds.kernels import document_conv_triton, sdconv_triton
 from convbert_ds.kernels.sdconv_triton import MAX_KERNEL_SIZE, SUPPORTED_DTYPES
 
-__all__ = ["triton_dynamic_conv", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES"]
+__all__ = ["triton_dynamic_conv", "triton_document_conv", "MAX_KERNEL_SIZE", "SUPPORTED_DTYPES"]
 
 
 @torch_ops.custom_op("convbert_ds::sdconv_forward", mutates_args=())
@@ -122,3 +124,55 @@ def _check_inputs(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask:
     if values.device.type == "cpu" and not sdconv_triton.INTERPRET:
         raise RuntimeError("triton_dynamic_conv got CPU tensors: the Triton kernels need a GPU, or TRITON_INTERPRET=1 "
                            "set before triton is imported; on CPU use dynamic_conv(..., impl='torch')")
+
+
+@torch_ops.custom_op("convbert_ds::document_conv_forward", mutates_args=())
+def document_conv_forward(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """``out [B, T, C]`` in ``x.dtype``."""
+    return document_conv_triton.document_conv_forward(x, weight, taps)
+
+
+@document_conv_forward.register_fake
+def _(x, weight, taps):
+    return x.new_empty(x.shape)
+
+
+@torch_ops.custom_op("convbert_ds::document_conv_backward", mutates_args=())
+def document_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor,
+                           need_grad_x: bool, need_grad_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_w)`` in the dtypes of ``x`` and ``weight``; one not asked for comes back empty."""
+    grads = document_conv_triton.document_conv_backward(grad_out, x, weight, taps, need_grad_x, need_grad_w)
+    return tuple(_skipped_grad(like) if grad is None else grad for grad, like in zip(grads, (x, weight)))
+
+
+@document_conv_backward.register_fake
+def _(grad_out, x, weight, taps, need_grad_x, need_grad_w):
+    return tuple(like.new_empty(like.shape) if needed else _skipped_grad(like)
+                 for needed, like in ((need_grad_x, x), (need_grad_w, weight)))
+
+
+def _document_conv_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _document_conv_backward(ctx, grad_out):
+    x, weight, taps = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    grad_x, grad_w = document_conv_backward(grad_out, x, weight, taps, need_x, need_w)
+    return (grad_x if need_x else None), (grad_w if need_w else None), None
+
+
+document_conv_forward.register_autograd(_document_conv_backward, setup_context=_document_conv_setup_context)
+
+
+def triton_document_conv(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """The depthwise conv over packed documents (``convbert_ds.model.depthwise``), differentiable in ``x`` and
+    ``weight``: ``x`` ``[B, T, C]``, ``weight`` ``[C, K]``, ``taps`` ``[B, T, K]`` (0 or 1; no gradient), any
+    strides, fp32, fp16 or bf16 each -> ``[B, T, C]`` in ``x``'s dtype, fp32 inside."""
+    for name, tensor in (("x", x), ("weight", weight), ("taps", taps)):
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"triton_document_conv supports {SUPPORTED_DTYPES} for {name}, got {tensor.dtype}")
+    if x.device.type == "cpu" and not document_conv_triton.INTERPRET:
+        raise RuntimeError("triton_document_conv got CPU tensors: the Triton kernels need a GPU, or "
+                           "TRITON_INTERPRET=1 set before triton is imported; on CPU use impl='torch'")
+    return document_conv_forward(x, weight, taps)

@@ -11,15 +11,25 @@ documents the model calls ``nn.Conv1d`` instead, which cannot mask per position.
 Why a function of its own: the obvious form, an unfold of ``x`` contracted with the taps (``einsum``), builds
 a K-times copy of ``x`` in forward and, in backward, a batched outer product ``[B*T, C, 1] x [B*T, 1, K]``
 that cuBLAS runs at a small fraction of its speed. On an H100 that path took about a third of a compiled
-ConvBERT-base step's device time (``benchmarks/RESULTS.md``, 2026-11-26). Here forward and backward are K
-shifted multiply-adds into one buffer each, which inductor fuses into a few elementwise kernels and which
-eager runs without the K-times copy.
+ConvBERT-base step's device time (``benchmarks/RESULTS.md``, 2026-11-26). Here (``impl="torch"``, any
+device) forward and backward are K shifted multiply-adds into one buffer each, without the K-times copy;
+still a pass over ``x`` per tap (2.97 ms a layer eager on an H200, 2026-11-27), and 27 multiply-adds a layer
+for inductor to trace and schedule (the small preset's whole step took 39% longer to compile on CPU than
+with the einsum). ``impl="triton"`` runs Triton kernels instead
+(``convbert_ds.kernels.document_conv_triton``): one pass over ``x`` forward, one over ``x`` and the gradient
+backward, and inductor keeps them out of its graph as custom ops. ``"auto"`` picks them on CUDA once a probe
+has checked them there against this path, as for SDConv (``model/sdconv.py``); ``probe_document_conv`` runs
+that probe ahead of ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from convbert_ds.config import ModelConfig
+from convbert_ds.model.sdconv import cached_reason, largest_difference, probe_once, resolve_impl, same_segment_taps
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -58,10 +68,68 @@ class _DocumentDepthwiseConv(torch.autograd.Function):
         return grad_x, grad_weight, None
 
 
-def document_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+def document_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor,
+                            impl: str = "torch") -> torch.Tensor:
     """``x`` ``[B, T, C]``, ``weight`` ``[C, K]`` (K odd), ``taps`` ``[B, T, K]`` (0 or 1) -> ``[B, T, C]`` in
-    ``x``'s dtype; see the module docstring. The taps get no gradient."""
+    ``x``'s dtype; see the module docstring (``impl``: ``torch``, ``triton`` or ``auto``). The taps get no
+    gradient."""
     if x.dim() != 3 or weight.shape != (x.shape[2], weight.shape[1]) or taps.shape != (*x.shape[:2], weight.shape[1]):
         raise ValueError(f"document_depthwise_conv expects x [B, T, C], weight [C, K] and taps [B, T, K]; got "
                          f"{tuple(x.shape)}, {tuple(weight.shape)} and {tuple(taps.shape)}")
+    chosen = resolve_impl(impl, x.device)
+    if chosen == "triton" and impl == "auto":
+        device, kernel_size = x.device, weight.shape[1]
+        if cached_reason(_probe_key(device, kernel_size),
+                         lambda: document_conv_unusable_reason(device, kernel_size)) is not None:
+            chosen = "torch"
+    if chosen == "triton":
+        from convbert_ds.kernels import triton_document_conv  # here: CPU runs never import Triton
+        return triton_document_conv(x, weight, taps)
     return _DocumentDepthwiseConv.apply(x, weight, taps)
+
+
+def _probe_key(device: torch.device, kernel_size: int) -> tuple:
+    return device, "document conv", kernel_size
+
+
+@torch.compiler.disable  # the probe builds inputs and runs kernels: a graph break under torch.compile
+def document_conv_unusable_reason(device: torch.device, kernel_size: int) -> str | None:
+    """Why the Triton kernels of this conv cannot run on ``device`` for kernel size ``kernel_size``, or None
+    when they can (cached; see ``sdconv.probe_once``). Forward and backward on a small packed input, in fp32
+    (``x`` is a LayerNorm's output under autocast) and in bf16 (DeepSpeed's bf16 weights), against this
+    module's torch path; the bf16 difference counts against a tolerance 200 times wider."""
+    def compare() -> float:
+        from convbert_ds.kernels import triton_document_conv  # inside the probe: importing Triton can fail too
+        gen = torch.Generator().manual_seed(0)
+        documents = (torch.arange(40) >= 17).long().expand(2, -1)  # a boundary; T spans several position blocks
+        taps = same_segment_taps(documents, kernel_size).to(device)
+        x32 = torch.randn(2, 40, 24, generator=gen).to(device)
+        weight32 = torch.randn(24, kernel_size, generator=gen).to(device)
+        grad_out32 = torch.randn(2, 40, 24, generator=gen).to(device)
+        worst = 0.0
+        for dtype, scale in ((torch.float32, 1.0), (torch.bfloat16, 1 / 200)):
+            x, weight, grad_out = (t.to(dtype) for t in (x32, weight32, grad_out32))
+            results = [_value_and_grads(fn, x, weight, taps, grad_out)
+                       for fn in (triton_document_conv, _DocumentDepthwiseConv.apply)]
+            worst = max(worst, scale * largest_difference(*results))
+        return worst
+
+    return probe_once(_probe_key(device, kernel_size), f"depthwise conv kernels (K={kernel_size})", compare, 1e-4)
+
+
+def _value_and_grads(fn, x, weight, taps, grad_out) -> tuple[torch.Tensor, ...]:
+    x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    out = fn(x, weight, taps)
+    return (out, *torch.autograd.grad(out, (x, weight), grad_out))
+
+
+def probe_document_conv(model: nn.Module | ModelConfig, device: torch.device | str) -> dict[tuple, str | None]:
+    """Probe the Triton kernels of this conv, eagerly, for every kernel size of ``model`` that ``"auto"`` sends
+    to them on ``device`` (before ``torch.compile``, as ``sdconv.probe_sdconv``). Returns ``key -> reason``
+    (None: the kernels are used); empty where ``"auto"`` does not pick Triton."""
+    device = torch.empty(0, device=device).device  # the index CUDA tensors carry, so the keys match theirs
+    configs = [model] if isinstance(model, ModelConfig) else [getattr(m, "config", None) for m in model.modules()]
+    sizes = {config.conv_kernel_size for config in configs
+             if isinstance(config, ModelConfig) and config.conv_type in ("sdconv", "conventional")
+             and config.sdconv_impl == "auto" and resolve_impl("auto", device) == "triton"}
+    return {_probe_key(device, size): document_conv_unusable_reason(device, size) for size in sorted(sizes)}

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from convbert_ds.config import ModelConfig
-from convbert_ds.model.depthwise import document_depthwise_conv
-from convbert_ds.model.sdconv import dynamic_conv, same_segment_taps
+from convbert_ds.model.depthwise import document_depthwise_conv, probe_document_conv
+from convbert_ds.model.sdconv import dynamic_conv, probe_sdconv, same_segment_taps
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),  # config.hidden_act -> function
                "relu": F.relu, "silu": F.silu, "tanh": torch.tanh}
@@ -99,13 +99,13 @@ class SeparableConv1D(nn.Module):
         nn.init.trunc_normal_(self.pointwise.weight, 0.0, std, -2 * std, 2 * std)
         self.bias.zero_()
 
-    def forward(self, x: torch.Tensor, taps: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, taps: torch.Tensor | None = None, impl: str = "torch") -> torch.Tensor:
         """``x``: ``[B, T, C_in]`` -> ``[B, T, C_out]``; ``taps`` ``[B, T, K]``: 0 where a tap must read zero
-        (it lies in another document than its output position)."""
+        (it lies in another document than its output position); ``impl``: the packed conv's (``sdconv_impl``)."""
         if taps is None:
             return (self.pointwise(self.depthwise(x.transpose(1, 2))) + self.bias).transpose(1, 2)
         # Packed documents: the taps depend on the position, which conv1d cannot mask.
-        mixed = document_depthwise_conv(x, self.depthwise.weight[:, 0, :], taps)
+        mixed = document_depthwise_conv(x, self.depthwise.weight[:, 0, :], taps, impl)
         return F.linear(mixed, self.pointwise.weight[:, :, 0]) + self.bias[:, 0]
 
 
@@ -152,11 +152,13 @@ class ConvBertSelfAttention(nn.Module):
         if conv_type == "none":
             return context
         if conv_type == "conventional":
-            conv = self.key_conv_attn_layer(hidden_states, None if masks is None else masks.conv_taps)
+            conv = self.key_conv_attn_layer(hidden_states, None if masks is None else masks.conv_taps,
+                                            self.config.sdconv_impl)
         else:
             # The unscaled query gates the span-aware key (sdconv) or alone makes the kernel (dynamic).
             taps = None if masks is None else masks.conv_taps
-            kernel_input = query * self.key_conv_attn_layer(hidden_states, taps) if conv_type == "sdconv" else query
+            kernel_input = (query * self.key_conv_attn_layer(hidden_states, taps, self.config.sdconv_impl)
+                            if conv_type == "sdconv" else query)
             kernel_logits = self.conv_kernel_layer(kernel_input).view(batch, seq_len, self.num_heads,
                                                                       self.kernel_size)
             value_mask = masks.tokens if self.config.sdconv_mask_padding and masks is not None else None
@@ -280,6 +282,14 @@ def compile_layers(model: nn.Module) -> int:
     for layer in layers:
         layer.compile(dynamic=False)
     return len(layers)
+
+
+def probe_triton_kernels(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> dict[tuple, str | None]:
+    """Probe, eagerly, every Triton kernel that ``sdconv_impl: auto`` sends ``model``'s layers to on ``device``:
+    SDConv (``probe_sdconv``, its conv heads computing in ``dtype``) and the depthwise conv over packed
+    documents (``probe_document_conv``). Call it before ``torch.compile`` or a capture, which cannot run the
+    probes inside. Returns every probed key and why its kernels are not used (None: they are)."""
+    return {**probe_sdconv(model, device, dtype), **probe_document_conv(model, device)}
 
 
 def compile_step(model: nn.Module, cuda_graphs: bool) -> None:

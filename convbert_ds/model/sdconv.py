@@ -33,6 +33,7 @@ unprobed while compiling is probed behind a graph break (an error under
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -149,48 +150,70 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return ("triton" if device.type == "cuda" else "torch") if impl == "auto" else impl
 
 
-# (device, logits dtype, values dtype, K, head size) -> why the Triton kernels cannot be used, or None.
+# Why Triton kernels cannot be used, or None, per probed key: (device, logits dtype, values dtype, K, head size)
+# for SDConv, (device, "document conv", K) for the depthwise conv over packed documents (model/depthwise.py).
 _TRITON_PROBED: dict[tuple, str | None] = {}
 
 
 @torch.compiler.disable  # runs kernels and prints: eager, once per key, never traced into a compiled graph
-def triton_unusable_reason(device: torch.device, logits_dtype: torch.dtype, values_dtype: torch.dtype,
-                           kernel_size: int, head_dim: int) -> str | None:
-    """Why the Triton kernels cannot run on ``device`` for this layout, or None when they can (cached).
-
-    Runs forward and backward once on a small masked input of these dtypes, kernel size and head size, and
-    compares with the reference (a kernel size the kernels do not take is a reason too). Any exception
-    counts: a failed compile or launch surfaces as whatever Triton, the driver or ptxas raise, and the
-    point of ``auto`` is that none of them ends a run that the reference path can carry.
-    """
-    key = (device, logits_dtype, values_dtype, kernel_size, head_dim)
+def probe_once(key: tuple, what: str, compare: Callable[[], float], tolerance: float) -> str | None:
+    """Why Triton kernels cannot be used for ``key`` (its first item the device), or None when they can;
+    cached per key. ``compare`` runs them and the torch path on a small input and returns the largest
+    difference relative to each result's largest value. Any exception counts: a failed compile or launch
+    surfaces as whatever Triton, the driver or ptxas raise, and the point of ``auto`` is that none of them
+    ends a run that the torch path can carry."""
     if key in _TRITON_PROBED:
         return _TRITON_PROBED[key]
-    gen = torch.Generator().manual_seed(0)
-    shape = (2, 40, 2)  # B, T, n: T spans several position blocks of every tuned config
-    logits = (2 * torch.randn(*shape, kernel_size, generator=gen)).to(device, logits_dtype)
-    values = torch.randn(*shape, head_dim, generator=gen).to(device, values_dtype)
-    mask = (torch.arange(shape[1]) < 33).expand(shape[0], -1).to(device)
-    segments = (torch.arange(shape[1]) >= 17).long().expand(shape[0], -1).to(device)  # a document boundary
-    grad_out = torch.randn(*shape, head_dim, generator=gen).to(device, values_dtype)
     try:
-        from convbert_ds.kernels import triton_dynamic_conv  # inside the try: importing Triton can fail too
         with torch.enable_grad():  # the first call may come from an evaluation under no_grad
-            results = [_value_and_grads(fn, logits, values, mask, segments, grad_out)
-                       for fn in (triton_dynamic_conv, dynamic_conv_reference)]
-        # Relative to each tensor's largest value: accumulation order, and one rounding in half precision.
-        tolerance = 1e-4 if values_dtype == torch.float32 else 2e-2
-        worst = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1)).item()
-                    for a, b in zip(*results))
+            worst = compare()
         reason = None if worst <= tolerance else f"its results differ from the torch path by {worst:.3g}"
     except Exception as error:  # noqa: BLE001 -- see the docstring: any failure means "use the reference"
         reason = ": ".join([type(error).__name__, *str(error).strip().splitlines()[:1]])
     if reason is not None:
-        print(f"warning: sdconv_impl=auto: the Triton SDConv kernels cannot run on {device} ({logits_dtype}, "
-              f"{values_dtype}, K={kernel_size}, head size {head_dim}): {reason}; using the torch implementation",
-              file=sys.stderr, flush=True)
+        print(f"warning: sdconv_impl=auto: the Triton {what} cannot run on {key[0]}: {reason}; using the torch "
+              "implementation", file=sys.stderr, flush=True)
     _TRITON_PROBED[key] = reason
     return reason
+
+
+def largest_difference(results, references) -> float:
+    """The largest difference between paired tensors, relative to each reference's largest value (at least 1)."""
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1)).item()
+               for a, b in zip(results, references))
+
+
+@torch.compiler.disable  # the probe builds inputs and runs kernels: a graph break under torch.compile
+def triton_unusable_reason(device: torch.device, logits_dtype: torch.dtype, values_dtype: torch.dtype,
+                           kernel_size: int, head_dim: int) -> str | None:
+    """Why the Triton SDConv kernels cannot run on ``device`` for this layout, or None when they can (cached).
+
+    Runs forward and backward once on a small masked input of these dtypes, kernel size and head size, and
+    compares with the reference (a kernel size the kernels do not take is a reason too); see ``probe_once``.
+    """
+    def compare() -> float:
+        gen = torch.Generator().manual_seed(0)
+        shape = (2, 40, 2)  # B, T, n: T spans several position blocks of every tuned config
+        logits = (2 * torch.randn(*shape, kernel_size, generator=gen)).to(device, logits_dtype)
+        values = torch.randn(*shape, head_dim, generator=gen).to(device, values_dtype)
+        mask = (torch.arange(shape[1]) < 33).expand(shape[0], -1).to(device)
+        segments = (torch.arange(shape[1]) >= 17).long().expand(shape[0], -1).to(device)  # a document boundary
+        grad_out = torch.randn(*shape, head_dim, generator=gen).to(device, values_dtype)
+        from convbert_ds.kernels import triton_dynamic_conv  # inside the probe: importing Triton can fail too
+        return largest_difference(*[_value_and_grads(fn, logits, values, mask, segments, grad_out)
+                                    for fn in (triton_dynamic_conv, dynamic_conv_reference)])
+
+    # Relative to each tensor's largest value: accumulation order, and one rounding in half precision.
+    tolerance = 1e-4 if values_dtype == torch.float32 else 2e-2
+    return probe_once((device, logits_dtype, values_dtype, kernel_size, head_dim),
+                      f"SDConv kernels ({logits_dtype}, {values_dtype}, K={kernel_size}, head size {head_dim})",
+                      compare, tolerance)
+
+
+def cached_reason(key: tuple, probe: Callable[[], str | None]) -> str | None:
+    """The probe's cached answer for ``key``, else ``probe()``. Read here, not in the probe: torch.compile
+    traces a dict lookup, while the probe is a graph break (``probe_sdconv`` fills the cache beforehand)."""
+    return _TRITON_PROBED[key] if key in _TRITON_PROBED else probe()
 
 
 def _value_and_grads(fn, logits, values, mask, segments, grad_out) -> tuple[torch.Tensor, ...]:
@@ -205,9 +228,7 @@ def dynamic_conv(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: 
     chosen = resolve_impl(impl, values.device)
     if chosen == "triton" and impl == "auto":
         key = (values.device, kernel_logits.dtype, values.dtype, kernel_logits.shape[-1], values.shape[-1])
-        # Read the cache here: torch.compile traces a dict lookup, while triton_unusable_reason is a graph break.
-        reason = _TRITON_PROBED[key] if key in _TRITON_PROBED else triton_unusable_reason(*key)
-        if reason is not None:
+        if cached_reason(key, lambda: triton_unusable_reason(*key)) is not None:
             chosen = "torch"
     if chosen == "triton":
         # Here, not at the top: triton is slow to import, and CPU runs never need it.

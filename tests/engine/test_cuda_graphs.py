@@ -18,8 +18,7 @@ import torch
 
 from convbert_ds.config import ElectraConfig
 from convbert_ds.model import ElectraForPretraining
-from convbert_ds.model.layers import compile_step, cuda_graphs_recorded, cudagraph_skips
-from convbert_ds.model.sdconv import probe_sdconv
+from convbert_ds.model.layers import compile_step, cuda_graphs_recorded, cudagraph_skips, probe_triton_kernels
 from convbert_ds.model.step_capture import capture_step
 
 # Collected and skipped (not skipped at import): the acceptance's pytest then exits 0 on a CPU smoke run.
@@ -34,7 +33,7 @@ def _tiny_step_parts():
     config = ElectraConfig.from_preset("tiny", vocab_size=1000, max_position_embeddings=64)
     device = torch.device("cuda", torch.cuda.current_device())
     model = ElectraForPretraining(config).to(device)
-    probe_sdconv(model, device, torch.bfloat16)
+    probe_triton_kernels(model, device, torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     input_ids = torch.randint(5, 1000, (4, 64), device=device)
     return model, optimizer, (input_ids, torch.ones_like(input_ids), torch.zeros_like(input_ids))

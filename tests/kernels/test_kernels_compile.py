@@ -1,8 +1,10 @@
-"""The SDConv kernels through Triton's real GPU compiler (to an sm_90 cubin), no GPU needed.
+"""The SDConv and packed depthwise conv kernels through Triton's real GPU compiler (to an sm_90 cubin), no GPU
+needed.
 
 The interpreter tests in test_kernels.py never run Triton's code generator, so a kernel that only the
 compiled path rejects (constexpr scoping, layouts, dtype rules) would pass CI and fail on the first GPU.
-This compiles both kernels as the JIT would specialise them for contiguous ConvBERT-base tensors, in a
+This compiles the kernels as the JIT would specialise them for ConvBERT-base tensors (the depthwise conv's
+in every tuned block shape: they have not run on a GPU yet), in a
 subprocess because test_kernels.py may already have switched this process to the interpreter.
 """
 
@@ -27,9 +29,9 @@ def compile_kernels(arch: int = 90) -> list[str]:
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
 
-    def build(kernel, args, meta):
+    def build(kernel, args, meta, config_index=0):
         fn = kernel.fn  # the JITFunction under triton.autotune
-        config = kernel.configs[0]
+        config = kernel.configs[config_index]
         constexprs = {**meta, **config.kwargs}
         signature, attrs = {}, {}
         for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
@@ -43,7 +45,7 @@ def compile_kernels(arch: int = 90) -> list[str]:
         options = backend.parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages})
         compiled = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
         assert compiled.asm["cubin"], fn.__name__
-        return f"{fn.__name__} {meta}"
+        return f"{fn.__name__} {meta} {config.kwargs}"
 
     done = []
     batch, seq_len, heads, head_dim = 2, 512, 6, 64
@@ -58,6 +60,20 @@ def compile_kernels(arch: int = 90) -> list[str]:
         grads = (logits, values) if masked else (None, values)
         done.append(build(sd._sdconv_bwd_kernel,
                           *sd.backward_args(values, logits, values, mask, segments, lse, *grads)))
+
+    from convbert_ds.kernels import document_conv_triton as dc
+
+    channels, kernel_size = 768, 9
+    for dtype in (torch.float32, torch.bfloat16):  # fp32: x under autocast; bf16: DeepSpeed's bf16 weights
+        x = torch.empty(batch, seq_len, channels, dtype=dtype)
+        weight = torch.empty(channels, 1, kernel_size, dtype=dtype)[:, 0, :]  # the conv's weight, as the model passes it
+        taps = torch.empty(batch, seq_len, kernel_size)
+        per_sample = torch.empty(batch, channels, kernel_size)
+        # Every block shape in fp32 (the paper configs' path); one in bf16, whose loads alone differ.
+        for index in range(len(dc._document_conv_fwd_kernel.configs) if dtype == torch.float32 else 1):
+            done.append(build(dc._document_conv_fwd_kernel, *dc.forward_args(x, weight, taps, x), index))
+            done.append(build(dc._document_conv_bwd_kernel,
+                              *dc.backward_args(x, x, weight, taps, x, per_sample), index))
     return done
 
 
@@ -73,3 +89,4 @@ def test_kernels_compile_for_sm90(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("_sdconv_") == 4, result.stdout
+    assert result.stdout.count("_document_conv_") == 12, result.stdout  # 2 kernels x (5 block shapes + 1 in bf16)

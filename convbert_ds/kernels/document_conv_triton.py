@@ -19,8 +19,8 @@ once; the K shifted windows are re-read from L1/L2.
 Block layout: a forward program owns ``BLOCK_T`` positions x ``BLOCK_C`` channels of one sample. A backward
 program owns ``BLOCK_C`` channels of one whole sample: it walks the sample's positions in ``BLOCK_T`` steps,
 writing ``dx`` for each and summing ``dw`` over them, and stores that sample's ``dw`` ``[C, K]`` (fp32). The
-per-sample sums are added by one ``sum`` over the batch afterwards: no atomics, so a run is bit-for-bit
-repeatable (exact resume relies on it).
+per-sample sums are added by one ``sum`` over the batch afterwards: no atomics, and the backward's block
+shape is fixed (not tuned), so a run is bit-for-bit repeatable (exact resume relies on it).
 
 Precision: loads are cast to fp32 right away; products and sums are fp32; ``out`` and ``dx`` are rounded once
 to ``x``'s dtype, ``dw`` to the weight's.
@@ -36,11 +36,20 @@ from triton import knobs
 INTERPRET = bool(knobs.runtime.interpret)  # @triton.jit picks the interpreter at import time
 
 
-def _configs() -> list[triton.Config]:
+def _forward_configs() -> list[triton.Config]:
     if INTERPRET:  # one config, no benchmarking; small blocks so short test inputs span several programs
         return [triton.Config({"BLOCK_T": 16, "BLOCK_C": 16}, num_warps=4)]
     return [triton.Config({"BLOCK_T": block_t, "BLOCK_C": block_c}, num_warps=warps)
             for block_t, block_c, warps in ((32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8), (16, 128, 4))]
+
+
+def _backward_configs() -> list[triton.Config]:
+    # One config, not tuned: dw sums over positions in BLOCK_T tiles, in an order the block shape and warp
+    # count decide, so a tuner free to pick another config after a restart (timing noise) would change dw's
+    # last bits, and exact resume with it. The forward and dx sum over the K taps in each thread, in any
+    # config, so the forward is tuned.
+    return [triton.Config({"BLOCK_T": 16, "BLOCK_C": 16} if INTERPRET else {"BLOCK_T": 32, "BLOCK_C": 64},
+                          num_warps=4)]
 
 
 # T_TUNE: T rounded up to a power of two, as for the SDConv kernels (tuning on T itself re-benchmarks at
@@ -48,7 +57,7 @@ def _configs() -> list[triton.Config]:
 _TUNE_KEY = ["T_TUNE", "C", "KERNEL_SIZE"]
 
 
-@triton.autotune(configs=_configs(), key=_TUNE_KEY, cache_results=True)
+@triton.autotune(configs=_forward_configs(), key=_TUNE_KEY, cache_results=True)
 @triton.jit
 def _document_conv_fwd_kernel(
     x_ptr, w_ptr, taps_ptr, out_ptr, T, T_TUNE, C,
@@ -75,7 +84,7 @@ def _document_conv_fwd_kernel(
              mask=row_ok[:, None] & c_ok[None, :])
 
 
-@triton.autotune(configs=_configs(), key=_TUNE_KEY, cache_results=True)
+@triton.autotune(configs=_backward_configs(), key=_TUNE_KEY, cache_results=True)
 @triton.jit
 def _document_conv_bwd_kernel(
     x_ptr, w_ptr, taps_ptr, grad_out_ptr, grad_x_ptr, grad_w_ptr, T, T_TUNE, C,

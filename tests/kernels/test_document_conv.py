@@ -109,6 +109,11 @@ def test_auto_probes_once_and_then_uses_the_kernels(monkeypatch):
     assert calls and len(sdconv._TRITON_PROBED) == 1  # the probe's answer was read, not probed again
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # Compiled whole: the probed answer is a dict lookup in the graph, not the probe's graph break.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, t: depthwise.document_depthwise_conv(x, w, t, impl="auto"),
+                             backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*inputs[:3]), want[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_failing_kernel_sends_auto_to_the_torch_path(monkeypatch, capsys):

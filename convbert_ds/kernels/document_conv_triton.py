@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from convbert_ds.kernels.device import on_device_of
+
 INTERPRET = bool(knobs.runtime.interpret)  # @triton.jit picks the interpreter at import time
 
 
@@ -160,7 +162,8 @@ def document_conv_forward(x: torch.Tensor, weight: torch.Tensor, taps: torch.Ten
     if out.numel() > 0:
         args, meta = forward_args(x, weight, taps, out)
         grid = lambda m: (batch * triton.cdiv(seq_len, m["BLOCK_T"]), triton.cdiv(channels, m["BLOCK_C"]))  # noqa: E731
-        _document_conv_fwd_kernel[grid](*args, **meta)
+        with on_device_of(x):
+            _document_conv_fwd_kernel[grid](*args, **meta)
     return out
 
 
@@ -171,13 +174,16 @@ def document_conv_backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torc
     batch, seq_len, channels = x.shape
     kernel_size = weight.shape[1]
     grad_x = torch.empty((batch, seq_len, channels), dtype=x.dtype, device=x.device) if need_grad_x else None
-    per_sample = (torch.empty((batch, channels, kernel_size), dtype=torch.float32, device=x.device)
-                  if need_grad_w else None)
+    per_sample = None
+    if need_grad_w:
+        allocate = torch.empty if x.numel() > 0 else torch.zeros  # no positions, no launch: an empty sum
+        per_sample = allocate((batch, channels, kernel_size), dtype=torch.float32, device=x.device)
     if x.numel() > 0 and (need_grad_x or need_grad_w):
         args, meta = backward_args(grad_out, x, weight, taps, grad_x, per_sample)
         grid = lambda m: (batch, triton.cdiv(channels, m["BLOCK_C"]))  # noqa: E731
-        _document_conv_bwd_kernel[grid](*args, **meta)
+        with on_device_of(x):
+            _document_conv_bwd_kernel[grid](*args, **meta)
     if per_sample is None:
         return grad_x, None
-    grad_w = per_sample.sum(0) if batch > 0 else per_sample.new_zeros((channels, kernel_size))
-    return grad_x, grad_w.to(weight.dtype)
+    return grad_x, per_sample.sum(0).to(weight.dtype)
+

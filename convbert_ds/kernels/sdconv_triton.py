@@ -42,6 +42,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from convbert_ds.kernels.device import on_device_of
+
 # The @triton.jit decorator picks the interpreter at import time; remember that choice.
 INTERPRET = bool(knobs.runtime.interpret)
 
@@ -251,7 +253,8 @@ def sdconv_forward(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask
     lse = torch.empty((batch, heads, seq_len) if store_lse else (0,), dtype=torch.float32, device=values.device)
     if out.numel() > 0:
         args, meta = forward_args(kernel_logits, values, value_mask, segments, out, lse, store_lse)
-        _sdconv_fwd_kernel[_grid(batch, heads, seq_len)](*args, **meta)
+        with on_device_of(values):
+            _sdconv_fwd_kernel[_grid(batch, heads, seq_len)](*args, **meta)
     return out, lse
 
 
@@ -267,5 +270,6 @@ def sdconv_backward(grad_out: torch.Tensor, kernel_logits: torch.Tensor, values:
     if values.numel() == 0:  # head_dim 0 leaves dw = 0, so dlogits = 0
         return (None if grad_logits is None else grad_logits.zero_()), grad_values
     args, meta = backward_args(grad_out, kernel_logits, values, value_mask, segments, lse, grad_logits, grad_values)
-    _sdconv_bwd_kernel[_grid(batch, heads, seq_len)](*args, **meta)
+    with on_device_of(values):
+        _sdconv_bwd_kernel[_grid(batch, heads, seq_len)](*args, **meta)
     return grad_logits, grad_values

@@ -155,3 +155,27 @@ def test_mixed_attention_over_packed_documents_same_with_either_impl():
     torch.testing.assert_close(out_triton, out_torch, rtol=1e-5, atol=1e-5)
     for g, w in zip(grads_triton, grads_torch):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_every_tuned_block_shape_computes_the_same_forward():
+    """The tuner times the forward's block shapes and keeps the fastest, whose values nothing else checks at
+    the shapes it is picked for: each shape, launched alone, gives the torch path's output (on CPU the
+    interpreter has its one shape; on a GPU, every shape compiled for it)."""
+    from convbert_ds.kernels import document_conv_triton as dc
+
+    x, weight, taps, _ = _inputs()
+    want = depthwise.document_depthwise_conv(x, weight, taps, impl="torch")
+    kernel = dc._document_conv_fwd_kernel
+    for config in kernel.configs:
+        out = torch.full_like(x, float("nan"))  # every element must be written
+        args, meta = dc.forward_args(x, weight, taps, out)
+        grid = (x.shape[0] * -(-x.shape[1] // config.kwargs["BLOCK_T"]), -(-x.shape[2] // config.kwargs["BLOCK_C"]))
+        kernel.fn[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=str(config))
+
+
+def test_no_positions_give_a_zero_weight_gradient():
+    x, weight, taps, grad_out = _inputs(seq_len=37)
+    empty = [t[:, :0] for t in (x, taps, grad_out)]
+    grad_x, grad_w = OPS.document_conv_backward(empty[2], empty[0], weight, empty[1], True, True)
+    assert grad_x.shape == (3, 0, 40) and torch.equal(grad_w, torch.zeros_like(weight))

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     least_bytes = 5 * x.numel() * x.element_size()
     print(f"{'variant':<34}{'fwd+bwd (ms)':>14}{'/ einsum':>10}{'GB/s at the fewest bytes':>26}")
     for variant, ms in times.items():
-        print(f"{variant:<34}{ms:>14.3f}{ms / times[BASELINE]:>10.2f}{least_bytes / ms / 1e6:>26,.1f}")
+        print(f"{variant:<34}{ms:>14.3f}{ms / times[BASELINE]:>10.2f}{least_bytes / ms / 1e6:>26,.2f}")
 
 
 if __name__ == "__main__":

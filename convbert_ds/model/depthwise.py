@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from convbert_ds.config import ModelConfig
-from convbert_ds.model.sdconv import cached_reason, largest_difference, probe_once, resolve_impl, same_segment_taps
+from convbert_ds.model.sdconv import (cached_reason, largest_difference, probe_once, resolve_impl, same_segment_taps,
+                                      value_and_grads)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -109,18 +110,13 @@ def document_conv_unusable_reason(device: torch.device, kernel_size: int) -> str
         worst = 0.0
         for dtype, scale in ((torch.float32, 1.0), (torch.bfloat16, 1 / 200)):
             x, weight, grad_out = (t.to(dtype) for t in (x32, weight32, grad_out32))
-            results = [_value_and_grads(fn, x, weight, taps, grad_out)
+            results = [value_and_grads(fn, (x, weight), (taps,), grad_out)
                        for fn in (triton_document_conv, _DocumentDepthwiseConv.apply)]
             worst = max(worst, scale * largest_difference(*results))
         return worst
 
     return probe_once(_probe_key(device, kernel_size), f"depthwise conv kernels (K={kernel_size})", compare, 1e-4)
 
-
-def _value_and_grads(fn, x, weight, taps, grad_out) -> tuple[torch.Tensor, ...]:
-    x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
-    out = fn(x, weight, taps)
-    return (out, *torch.autograd.grad(out, (x, weight), grad_out))
 
 
 def probe_document_conv(model: nn.Module | ModelConfig, device: torch.device | str) -> dict[tuple, str | None]:

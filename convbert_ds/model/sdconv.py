@@ -200,7 +200,7 @@ def triton_unusable_reason(device: torch.device, logits_dtype: torch.dtype, valu
         segments = (torch.arange(shape[1]) >= 17).long().expand(shape[0], -1).to(device)  # a document boundary
         grad_out = torch.randn(*shape, head_dim, generator=gen).to(device, values_dtype)
         from convbert_ds.kernels import triton_dynamic_conv  # inside the probe: importing Triton can fail too
-        return largest_difference(*[_value_and_grads(fn, logits, values, mask, segments, grad_out)
+        return largest_difference(*[value_and_grads(fn, (logits, values), (mask, segments), grad_out)
                                     for fn in (triton_dynamic_conv, dynamic_conv_reference)])
 
     # Relative to each tensor's largest value: accumulation order, and one rounding in half precision.
@@ -216,10 +216,12 @@ def cached_reason(key: tuple, probe: Callable[[], str | None]) -> str | None:
     return _TRITON_PROBED[key] if key in _TRITON_PROBED else probe()
 
 
-def _value_and_grads(fn, logits, values, mask, segments, grad_out) -> tuple[torch.Tensor, ...]:
-    logits, values = logits.detach().requires_grad_(), values.detach().requires_grad_()
-    out = fn(logits, values, mask, segments)
-    return (out, *torch.autograd.grad(out, (logits, values), grad_out))
+def value_and_grads(fn, differentiable: tuple, others: tuple, grad_out) -> tuple[torch.Tensor, ...]:
+    """``fn(*differentiable, *others)`` and its gradients with respect to ``differentiable`` (what a probe
+    compares between the kernels and the torch path)."""
+    inputs = tuple(t.detach().requires_grad_() for t in differentiable)
+    out = fn(*inputs, *others)
+    return (out, *torch.autograd.grad(out, inputs, grad_out))
 
 
 def dynamic_conv(kernel_logits: torch.Tensor, values: torch.Tensor, value_mask: torch.Tensor | None = None,

@@ -7,7 +7,8 @@
 Parts, in this order unless ``--parts`` picks and orders them, each under its own time limit and all
 under one overall budget, so one that hangs or fails still leaves the others' figures:
 
-1. ``cuda_graphs``: whether inductor captures the compiled step as CUDA graphs
+1. ``cuda_graphs``: whether the step with each layer width compiled once gives the eager gradients on CUDA
+   (``tests/model/test_compile_layers_once.py``); whether inductor captures the compiled step as CUDA graphs
    (``tests/engine/test_cuda_graphs.py``, inductor's graph partitioning on and off), and whether the step
    captured by hand (``train.cuda_graphs: capture``) trains, eager and compiled, and follows the eager step.
 2. ``tests``: the Triton kernel tests, the auto-fallback tests and the transformers-parity tests on CUDA.
@@ -19,7 +20,8 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
 5. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128 and 512, small and
    base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step, ZeRO-1 bf16 vs
    ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and
-   without inductor's graph partitioning, the step captured by hand (``train.cuda_graphs: capture``);
+   without inductor's graph partitioning, the step captured by hand (``train.cuda_graphs: capture``), its
+   layers unrolled or compiled once per width (``train.compile_layers_once``);
    samples/s, tokens/s and MFU are the medians of the trainer's own ``metrics.jsonl`` after warm-up, with
    the CUDA graphs the step recorded (the most telling runs first). The headline rows then profile 3 more
    steps (``train.profile``): the device's busy time against the wall time, the top kernels and host ops.
@@ -67,10 +69,12 @@ class PretrainRun:
     graph_partition: bool = True  # False: TORCHINDUCTOR_GRAPH_PARTITION=0 (inductor then reports CUDA-graph skips)
     cuda_graphs: str = "inductor"  # train.cuda_graphs: inductor, capture (by hand) or off
     profile: bool = False  # after the timed steps, PROFILED_STEPS more under train.profile (not in the medians)
+    layers_once: bool = False  # train.compile_layers_once (step only): one compiled layer per width, reused
 
     @property
     def compile_label(self) -> str:
         label = "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
+        label = f"{label}, layers once" if self.layers_once else label
         label = label if self.graph_partition else f"{label}, no partition"
         return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
 
@@ -79,22 +83,27 @@ PROFILED_STEPS = 3
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
 TRAIN_STEP_BASE = ("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision", "bf16",
                    "--ds-config", AUTOCAST)
-# The most telling first (a 15-minute lease reaches the first four or five; compiling base takes about two
-# minutes). The issue's figures, on the paper configs' path (the autocast file, the whole step compiled and
-# captured by hand: what their cuda_graphs=auto picks on one GPU): base, the headline MFU figure (profiled:
-# where the step's time goes, kernel by kernel), at the acceptance's batch of 128 (the figures before are
-# at that batch); the same captured eager, which starts in seconds (on the 2026-11-27 H200 lease every
-# compiled row ran past its limit, leaving no figure); base at configs/base.yaml's own global batch of
-# 256, which one GPU runs as one micro-batch; small; base at seq 512. Then inductor's CUDA graphs instead of the capture (profiled), and without
+# The most telling first (a 15-minute lease reaches the first four or five; compiling base's whole step
+# unrolled took about two minutes, and on the 2026-11-27 H200 lease every such row ran past its limit,
+# leaving no figure). The issue's figures, on the paper configs' path (the autocast file, the whole step
+# compiled and captured by hand: what their cuda_graphs=auto picks on one GPU), each layer width compiled
+# once (train.compile_layers_once: a fraction of the compile, benchmarks/compile_time.py): base, the
+# headline MFU figure (profiled: where the step's time goes, kernel by kernel), at the acceptance's batch of
+# 128 (the figures before are at that batch); the same captured eager, which starts in seconds; the same
+# with the layers unrolled (the paper configs' default until layers once is checked on a GPU: the
+# cuda_graphs part runs that check); base at configs/base.yaml's own global batch of 256, which one GPU runs
+# as one micro-batch; small; base at seq 512. Then inductor's CUDA graphs instead of the capture (profiled), and without
 # inductor's graph partitioning (run only when the partitioned step recorded no CUDA graph: on the H200 it
 # recorded none); eager (profiled); ZeRO-1, the former default; then what each other switch changes, one at
 # a time.
 PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture")
-GPU_RUNS = [PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH, profile=True),
+FAST_COMPILE = dict(PAPER_PATH, layers_once=True)
+GPU_RUNS = [PretrainRun("base", "bf16", "triton", True, "step", **FAST_COMPILE, profile=True),
             PretrainRun("base", "bf16", "triton", False, **PAPER_PATH),
-            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH, batch=256),
-            PretrainRun("small", "bf16", "triton", True, "step", **PAPER_PATH),
-            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH, seq=512),
+            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),
+            PretrainRun("base", "bf16", "triton", True, "step", **FAST_COMPILE, batch=256),
+            PretrainRun("small", "bf16", "triton", True, "step", **FAST_COMPILE),
+            PretrainRun("base", "bf16", "triton", True, "step", **FAST_COMPILE, seq=512),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False),
             PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, profile=True),
@@ -164,10 +173,13 @@ class Acceptance:
         return code, stdout, output
 
     def cuda_graphs(self) -> str:
-        """Whether the compiled step is captured as CUDA graphs, with inductor's graph partitioning on and
-        off (``tests/engine/test_cuda_graphs.py``): one line per case, a failure's with its message."""
+        """Whether each layer compiled once gives the eager gradients on CUDA too
+        (``tests/model/test_compile_layers_once.py``), and whether the compiled step is captured as CUDA graphs,
+        with inductor's graph partitioning on and off (``tests/engine/test_cuda_graphs.py``): one line per
+        case, a failure's with its message."""
         _, _, output = self.run("cuda_graphs", [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                                             "tests/engine/test_cuda_graphs.py"], limit_s=240)
+                                             "tests/model/test_compile_layers_once.py",
+                                             "tests/engine/test_cuda_graphs.py"], limit_s=300)
         lines = output.strip().splitlines()
         verdicts = [line for line in lines if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
         return _fenced(verdicts + lines[-1:] + where_it_stopped(output) or ["(no output)"])
@@ -232,7 +244,8 @@ class Acceptance:
                           f"recorded after warm-up (`cuda_graphs` in metrics.jsonl; 2 or more when captured, 0 "
                           f"when it runs kernel by kernel, A -> B when it re-records); no partition: "
                           f"`TORCHINDUCTOR_GRAPH_PARTITION=0`; capture: the step captured by hand "
-                          f"(`train.cuda_graphs=capture`).", "", *rows, *profiles])
+                          f"(`train.cuda_graphs=capture`); layers once: one compiled layer per width "
+                          f"(`train.compile_layers_once=true`).", "", *rows, *profiles])
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
@@ -266,6 +279,7 @@ class Acceptance:
                 f"train.steps={steps}", "train.warmup_steps=1",
                 f"train.precision={spec.precision}", f"train.compile={str(spec.compile).lower()}",
                 f"train.compile_mode={spec.compile_mode}", f"train.cuda_graphs={spec.cuda_graphs}",
+                f"train.compile_layers_once={str(spec.layers_once).lower()}",
                 f"model.overrides.sdconv_impl={spec.sdconv}", f"deepspeed.config=ds_configs/{spec.ds_config}.json",
                 f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
                 # Every 5 steps: a logging step reads its metrics back (a sync), the steps between do not.
@@ -276,7 +290,8 @@ class Acceptance:
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
         seq, batch = self._shape(spec)
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{seq}_batch{batch}_"
-                f"{spec.ds_config}{'' if spec.graph_partition else '_no_partition'}"
+                f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
+                f"{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")
         run_dir = self.work / name
         code, _, output = self.run(name, [sys.executable, "-m", "convbert_ds.train",

@@ -31,7 +31,8 @@ from test_cli_fuzz import CLIS, FUZZ, REQUIRED, _stderr_lines, call
 # arguments they require (never opened: the parser refuses the bad value first).
 MORE = {
     "convbert_ds.data.builtin_corpus": ["--out", "o"], "convbert_ds.data.transfer_task": [],
-    "benchmarks.ablation": [], "benchmarks.convert": [], "benchmarks.gpu_acceptance": [],
+    "benchmarks.ablation": [], "benchmarks.compile_time": [], "benchmarks.convert": [],
+    "benchmarks.document_conv": [], "benchmarks.gpu_acceptance": [],
     "benchmarks.hf_finetune_check": ["--model", "m", "--task-dir", "t"], "benchmarks.model_cpu": [],
     "benchmarks.packing": [], "benchmarks.preprocess": [], "benchmarks.pretraining_transfer": [],
     "benchmarks.reshape": [], "benchmarks.sdconv": [], "benchmarks.train_step": [],

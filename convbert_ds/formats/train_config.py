@@ -152,6 +152,11 @@ class TrainSection:
         "what train.compile compiles: layers = every encoder layer (masking, sampling and losses eager); step = "
         "the whole ELECTRA forward and its backward as one graph with no graph break (CUDA graphs: see "
         "cuda_graphs)")] = "layers"
+    compile_layers_once: Annotated[bool, Key(
+        "with train.compile_mode=step (ignored otherwise): compile one encoder layer per width and call it for "
+        "every layer instead of unrolling them all into the step's graph: a much shorter first step "
+        "(benchmarks/compile_time.py), no fusion across a layer's edges; off until its gradients are checked "
+        "against eager on a GPU (tests/model/test_compile_layers_once.py)")] = False
     cuda_graphs: Annotated[Literal["inductor", "capture", "auto", "off"], Key(
         "CUDA graphs on GPUs, so the host does not queue each kernel (nothing on CPU): inductor = inductor's "
         "CUDA-graph trees for train.compile_mode=step (reduce-overhead; inductor may decline, see cuda_graphs in "

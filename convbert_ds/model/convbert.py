@@ -21,7 +21,7 @@ from convbert_ds.config import ModelConfig
 from convbert_ds.errors import UserError
 from convbert_ds.model import hf_io
 from convbert_ds.model.layers import (ACTIVATIONS, ConvBertEmbeddings, ConvBertLayer, document_positions,
-                                      init_weights, padding_masks)
+                                      init_weights, padding_masks, run_layer_compiled_once)
 
 
 class InputError(UserError, ValueError):
@@ -96,6 +96,9 @@ class ConvBertModel(HFInterop, nn.Module):
         self.encoder.layer = nn.ModuleList(ConvBertLayer(config) for _ in range(config.num_hidden_layers))
         # Recompute each layer in backward instead of keeping its activations (memory for compute).
         self.gradient_checkpointing = False
+        # Each layer through one compiled region per width under torch.compile (``compile_step``'s
+        # ``layers_once``); a plain call otherwise.
+        self.layers_compiled_once = False
         # Shared embeddings were initialised by their owner; re-drawing them here would change its weights.
         for name, module in self.named_modules():
             if embeddings is None or not name.startswith("embeddings."):
@@ -116,6 +119,8 @@ class ConvBertModel(HFInterop, nn.Module):
         for layer in self.encoder.layer:
             if self.gradient_checkpointing and self.training:
                 hidden = torch.utils.checkpoint.checkpoint(layer, hidden, masks, use_reentrant=False)
+            elif self.layers_compiled_once:
+                hidden = run_layer_compiled_once(layer, hidden, masks)
             else:
                 hidden = layer(hidden, masks)
         return hidden

@@ -248,6 +248,14 @@ class ConvBertLayer(nn.Module):
         return self.output(self.intermediate(attention_output), attention_output)
 
 
+@torch.compiler.nested_compile_region
+def run_layer_compiled_once(layer: ConvBertLayer, hidden_states: torch.Tensor,
+                            masks: PaddingMasks | None) -> torch.Tensor:
+    """``layer(hidden_states, masks)``, marked for ``torch.compile`` as a region whose code is built once and
+    reused by every layer of the same width (``compile_step(layers_once=True)``); eager, a plain call."""
+    return layer(hidden_states, masks)
+
+
 @torch.no_grad()
 def init_weights(module: nn.Module, std: float) -> None:
     """BERT's initialisation as transformers applies it to ConvBERT (normal, ``std``), except the span-aware
@@ -292,7 +300,7 @@ def probe_triton_kernels(model: nn.Module, device: torch.device | str, dtype: to
     return {**probe_sdconv(model, device, dtype), **probe_document_conv(model, device)}
 
 
-def compile_step(model: nn.Module, cuda_graphs: bool) -> None:
+def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False) -> None:
     """Put the whole forward of ``model`` (the ELECTRA step: masking, both bodies, sampling, losses) through
     ``torch.compile`` as one graph, in place: ``fullgraph=True``, so a graph break is an error, not a silent
     return of the host to the loop; its backward is compiled with it (AOTAutograd). ``cuda_graphs`` (on CUDA
@@ -300,12 +308,26 @@ def compile_step(model: nn.Module, cuda_graphs: bool) -> None:
     thousands, where inductor captures them (``cuda_graphs_recorded`` says whether it did); without it the
     kernels launch one by one, or ``step_capture`` captures them. The step may take this shape because
     nothing in it reads the device (static masking, no ``.item()``, inputs checked on the host) and batches
-    have one shape. Call it with ``check=False``."""
+    have one shape. Call it with ``check=False``.
+
+    ``layers_once``: trace and compile one encoder layer per width (ELECTRA has two: the generator's and the
+    discriminator's) and call that code for every layer, instead of unrolling 2 x 12 layers into the graph
+    (torch's nested compile regions): the first step's compile takes a fraction of the time (a CPU ratio:
+    ``benchmarks/compile_time.py``), fusion across a layer's edges is what is given up. Inductor's buffer
+    reuse is turned off for it: with it, torch 2.13 corrupted the gradients of a reused region (the
+    discriminator's last layer's input projections came back about 100% off, the loss right;
+    ``tests/model/test_compile_layers_once.py``), and freed buffers return to torch's caching allocator
+    anyway."""
     _eager_random_stream()
+    for body in model.modules():
+        if hasattr(body, "layers_compiled_once"):
+            body.layers_compiled_once = layers_once
+    options = {"triton.cudagraphs": cuda_graphs}  # what mode="reduce-overhead" sets, which options cannot join
+    if layers_once:
+        options["allow_buffer_reuse"] = False
     # ``forward``, not the module's call: hooks that an engine registers on the module (DeepSpeed's timers
     # and ZeRO bookkeeping) stay eager around the graph instead of breaking it.
-    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                                  mode="reduce-overhead" if cuda_graphs else None)
+    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
 
 
 def _eager_random_stream() -> None:

@@ -1,15 +1,16 @@
-"""``benchmarks/document_conv.py`` and ``benchmarks/step_ops.py`` end to end on CPU, at toy sizes: the
-variants and rows each report, side by side, with their ratio."""
+"""``benchmarks/document_conv.py``, ``benchmarks/step_ops.py`` and ``benchmarks/compile_time.py`` end to end on
+CPU, at toy sizes: the variants and rows each report, side by side, with their ratio."""
 
 from __future__ import annotations
 
 import sys
 
-from launch import REPO, env, run_group
+from launch import REPO, SCALAR_INDUCTOR_ENV, env, run_group
 
 
-def run(script: str, *args: str) -> list[str]:
-    result = run_group([sys.executable, str(REPO / "benchmarks" / script), *args], timeout=300, cwd=REPO, env=env())
+def run(script: str, *args: str, extra_env: dict | None = None) -> list[str]:
+    result = run_group([sys.executable, str(REPO / "benchmarks" / script), *args], timeout=400, cwd=REPO,
+                       env={**env(), **(extra_env or {})})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout.splitlines()
 
@@ -44,3 +45,22 @@ def test_step_ops_profiles_one_document_and_packed_samples():
     assert all(float(line.split()[-5]) > 0 for line in times), times
     assert any("Input Shapes" in line for line in lines)  # the table grouped by shape
     assert lines[-1].startswith("packed / one document: ")
+
+
+def test_compile_time_compiles_the_step_unrolled_and_layers_once():
+    # Two layers per body: the second calls the region the first compiled (about 50 s a variant here).
+    lines = run("compile_time.py", "--preset", "tiny", "--batch", "2", "--seq", "32", "--vocab", "1000",
+                "--threads", "1", extra_env=SCALAR_INDUCTOR_ENV)
+    assert lines[0].startswith("device=cpu preset=tiny layers=2 batch=2 seq=32") and "caches=empty" in lines[0]
+    losses = next(line for line in lines if line.startswith("the first step's losses"))
+    assert float(losses.split()[-1].rstrip(")")) < 1e-5, losses  # the same dropout and masks, fp32
+    header = lines.index(next(line for line in lines if line.startswith("variant")))
+    rows = {line[:38].strip(): [float(value) for value in line[38:].split()] for line in lines[header + 1:]}
+    assert list(rows) == ["unrolled (every layer in the graph)", "layers once (one per width)"], lines
+    for forward, backward, first, ratio, next_ms in rows.values():
+        assert forward > 0 and backward > 0 and next_ms > 0
+        assert abs(first - (forward + backward)) <= 0.11, rows  # one decimal each
+    baseline = rows["unrolled (every layer in the graph)"][2]
+    assert rows["unrolled (every layer in the graph)"][3] == 1.0
+    once = rows["layers once (one per width)"]
+    assert abs(once[3] - once[2] / baseline) <= 0.01 + 0.01 * once[3], rows  # ratio of the printed seconds

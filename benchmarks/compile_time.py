@@ -1,0 +1,136 @@
+"""How long the whole ELECTRA step takes to compile (``train.compile_mode: step``): every encoder layer
+unrolled into the step's graph, against each layer width compiled once and reused
+(``train.compile_layers_once``, ``compile_step(layers_once=True)``).
+
+    python benchmarks/compile_time.py                     # CUDA: base, 128 x 128, bf16 autocast; CPU: small, 2 x 128
+    python benchmarks/compile_time.py --preset tiny --layers 6 --batch 2 --seq 64 --threads 2
+
+Each variant runs in a process of its own with empty compile caches (inductor's, its FX graph and autograd
+caches off), one after the other, on the same seeded model and batch (three packed documents a sample, as
+the trainer packs them). The first step's forward and backward are timed apart: each includes its
+compile (tracing and the forward graph, then the backward graph at the first backward). The next step is
+timed too, compiled. The ratio is each variant's first step over the unrolled one's. Both variants must
+compute the same first loss (they draw the same dropout and masks); the largest difference is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.config import PRESET_NAMES, ElectraConfig
+
+BASELINE = "unrolled (every layer in the graph)"
+VARIANTS = {BASELINE: False, "layers once (one per width)": True}
+
+
+def _synchronize(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def measure(args, layers_once: bool) -> dict:
+    """One variant, in this process: seconds of the first forward and backward (compiling), milliseconds of
+    the next step, and the first step's loss."""
+    from convbert_ds.model import ElectraForPretraining
+    from convbert_ds.model.layers import compile_step, probe_triton_kernels
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+    config = ElectraConfig.from_preset(args.preset, vocab_size=args.vocab, max_position_embeddings=args.seq,
+                                       **overrides)
+    model = ElectraForPretraining(config).to(device)
+    if cuda:  # as the trainer does: sdconv_impl=auto decides by running the kernels, before any tracing
+        probe_triton_kernels(model, device, torch.bfloat16)
+    compile_step(model, cuda_graphs=False, layers_once=layers_once)
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(5, args.vocab, (args.batch, args.seq), generator=gen).to(device)
+    documents = (torch.arange(args.seq, device=device) // max(1, args.seq // 3) + 1).expand(args.batch, -1)
+    documents = documents.contiguous()
+    inputs = (input_ids, torch.ones_like(input_ids), torch.zeros_like(input_ids))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    times, losses = [], []
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        _synchronize(cuda)
+        start = time.perf_counter()
+        with autocast:
+            out = model(*inputs, check=False, document_ids=documents)
+        _synchronize(cuda)
+        middle = time.perf_counter()
+        out.loss.backward()
+        _synchronize(cuda)
+        times.append((middle - start, time.perf_counter() - middle))
+        losses.append(out.loss.item())
+        model.zero_grad(set_to_none=True)
+    return {"forward_s": times[0][0], "backward_s": times[0][1], "next_step_ms": 1e3 * sum(times[1]),
+            "loss": losses[0], "layers": config.discriminator.num_hidden_layers,
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "threads": torch.get_num_threads()}
+
+
+def run_variant(argv: list[str], layers_once: bool, timeout_s: float) -> dict:
+    """``measure`` in a fresh process with empty compile caches: its result, or exit with its output."""
+    with tempfile.TemporaryDirectory(prefix="compile_time_") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+               "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+        command = [sys.executable, __file__, *argv, "--child", "once" if layers_once else "unrolled"]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"error: {'layers once' if layers_once else 'unrolled'} did not finish within --timeout "
+                     f"{timeout_s:.0f} s; give it more, or a smaller --preset/--layers")
+    if done.returncode != 0:
+        sys.exit(f"error: the variant's process exited with {done.returncode}:\n{done.stdout[-3000:]}"
+                 f"{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="base" if cuda else "small")
+    parser.add_argument("--layers", type=bounded(int, min=1), default=None,
+                        help="encoder layers per body (default: the preset's, 12)")
+    parser.add_argument("--batch", type=bounded(int, min=1), default=128 if cuda else 2)
+    parser.add_argument("--seq", type=bounded(int, min=8), default=128)
+    parser.add_argument("--vocab", type=bounded(int, min=8), default=30522)
+    parser.add_argument("--threads", type=bounded(int, min=1), default=None)
+    parser.add_argument("--timeout", type=bounded(float, above=0), default=1800.0,
+                        help="seconds each variant may take (default 1800)")
+    parser.add_argument("--child", choices=["unrolled", "once"], help=argparse.SUPPRESS)  # internal: one variant
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure(args, layers_once=args.child == "once")))
+        return
+    own = sys.argv[1:] if argv is None else list(argv)
+    results = {name: run_variant(own, once, args.timeout) for name, once in VARIANTS.items()}
+    first = results[BASELINE]
+    print(f"device={first['device']} preset={args.preset} layers={first['layers']} batch={args.batch} "
+          f"seq={args.seq} precision={'bf16 autocast' if cuda else 'fp32'} threads={first['threads']} "
+          "caches=empty")
+    losses = [result["loss"] for result in results.values()]
+    print(f"the first step's losses: {', '.join(f'{loss:.6f}' for loss in losses)} "
+          f"(largest relative difference {abs(losses[1] - losses[0]) / max(abs(losses[0]), 1e-12):.1e})")
+    baseline_s = first["forward_s"] + first["backward_s"]
+    print(f"{'variant':<38}{'forward (s)':>12}{'backward (s)':>13}{'first step (s)':>15}{'/ unrolled':>11}"
+          f"{'next step (ms)':>16}")
+    for name, result in results.items():
+        total = result["forward_s"] + result["backward_s"]
+        print(f"{name:<38}{result['forward_s']:>12.1f}{result['backward_s']:>13.1f}{total:>15.1f}"
+              f"{total / baseline_s:>11.2f}{result['next_step_ms']:>16.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))

@@ -27,6 +27,7 @@ import torch
 
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.config import PRESET_NAMES, ElectraConfig
+from document_conv import three_documents_per_sample  # the script's own folder is on sys.path
 
 BASELINE = "unrolled (every layer in the graph)"
 VARIANTS = {BASELINE: False, "layers once (one per width)": True}
@@ -57,8 +58,7 @@ def measure(args, layers_once: bool) -> dict:
     compile_step(model, cuda_graphs=False, layers_once=layers_once)
     gen = torch.Generator().manual_seed(1)
     input_ids = torch.randint(5, args.vocab, (args.batch, args.seq), generator=gen).to(device)
-    documents = (torch.arange(args.seq, device=device) // max(1, args.seq // 3) + 1).expand(args.batch, -1)
-    documents = documents.contiguous()
+    documents = three_documents_per_sample(args.batch, args.seq, device)
     inputs = (input_ids, torch.ones_like(input_ids), torch.zeros_like(input_ids))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
     times, losses = [], []

@@ -17,7 +17,7 @@ import torch
 
 from convbert_ds.config import ElectraConfig
 from convbert_ds.model import ElectraForPretraining
-from convbert_ds.model.layers import compile_step, compiled_graph_count
+from convbert_ds.model.layers import compile_step, compiled_graph_count, probe_triton_kernels
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -41,6 +41,8 @@ def test_layers_compiled_once_give_the_eager_gradients(device):
     torch.manual_seed(0)
     config = ElectraConfig.from_preset("tiny", vocab_size=1000, max_position_embeddings=64, num_hidden_layers=3)
     model = ElectraForPretraining(config).to(device)
+    if device == "cuda":  # as the trainer does: the Triton kernels are probed eagerly, before any tracing
+        probe_triton_kernels(model, torch.device("cuda", torch.cuda.current_device()), torch.float32)
     gen = torch.Generator().manual_seed(1)
     input_ids = torch.randint(5, 1000, (2, 64), generator=gen).to(device)
     inputs = (input_ids, torch.ones_like(input_ids), torch.zeros_like(input_ids))

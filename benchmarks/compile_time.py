@@ -7,9 +7,10 @@ unrolled into the step's graph, against each layer width compiled once and reuse
 
 Each variant runs in a process of its own with empty compile caches (inductor's, its FX graph and autograd
 caches off), one after the other, on the same seeded model and batch (three packed documents a sample, as
-the trainer packs them). The first step's forward and backward are timed apart: each includes its
-compile (tracing and the forward graph, then the backward graph at the first backward). The next step is
-timed too, compiled. The ratio is each variant's first step over the unrolled one's. Both variants must
+the trainer packs them). A variant past ``--timeout`` is stopped with every process it started, and where
+it stood is printed. The first step's forward and backward are timed apart: each includes its compile
+(tracing and the forward graph, then the backward graph at the first backward). The next step is timed
+too, compiled. The ratio is each variant's first step over the unrolled one's. Both variants should
 compute the same first loss (they draw the same dropout and masks); the largest difference is printed.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +28,7 @@ import torch
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.config import PRESET_NAMES, ElectraConfig
 from document_conv import three_documents_per_sample  # the script's own folder is on sys.path
+from limited_run import run_group, where_it_stopped
 
 BASELINE = "unrolled (every layer in the graph)"
 VARIANTS = {BASELINE: False, "layers once (one per width)": True}
@@ -86,15 +87,15 @@ def run_variant(argv: list[str], layers_once: bool, timeout_s: float) -> dict:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
                "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
         command = [sys.executable, __file__, *argv, "--child", "once" if layers_once else "unrolled"]
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            sys.exit(f"error: {'layers once' if layers_once else 'unrolled'} did not finish within --timeout "
-                     f"{timeout_s:.0f} s; give it more, or a smaller --preset/--layers")
-    if done.returncode != 0:
-        sys.exit(f"error: the variant's process exited with {done.returncode}:\n{done.stdout[-3000:]}"
-                 f"{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        # Stopped at the limit with its compile workers, its stack printed (where the compile stood).
+        code, stdout, stderr = run_group(command, env, timeout_s)
+    if code == 124:
+        sys.exit(f"error: {'layers once' if layers_once else 'unrolled'} did not finish within --timeout "
+                 f"{timeout_s:.0f} s; give it more, or a smaller --preset/--layers; it was in:\n"
+                 + "\n".join(where_it_stopped(stdout + stderr)))
+    if code != 0:
+        sys.exit(f"error: the variant's process exited with {code}:\n{stdout[-3000:]}{stderr[-3000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,8 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step, ZeRO-1 bf16 vs
    ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and
    without inductor's graph partitioning, the step captured by hand (``train.cuda_graphs: capture``), its
-   layers unrolled or compiled once per width (``train.compile_layers_once``);
+   layers unrolled or compiled once per width (``train.compile_layers_once``), inductor's max-autotune
+   (``train.compile_autotune``);
    samples/s, tokens/s and MFU are the medians of the trainer's own ``metrics.jsonl`` after warm-up, with
    the CUDA graphs the step recorded (the most telling runs first). The headline rows then profile 3 more
    steps (``train.profile``): the device's busy time against the wall time, the top kernels and host ops.
@@ -36,9 +37,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -49,78 +52,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.limited_run import run_group, where_it_stopped
+from benchmarks.pretrain_rows import AUTOCAST, CPU_SMOKE_RUNS, GPU_RUNS, PretrainRun
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 SECTION = "## GPU acceptance (`python -m benchmarks.gpu_acceptance`)"
-
-
-@dataclass(frozen=True)
-class PretrainRun:
-    preset: str
-    precision: str
-    sdconv: str
-    compile: bool
-    compile_mode: str = "layers"  # train.compile_mode when compile is on: layers, or step (the whole step)
-    seq: int | None = None  # None: the scale's; longer sequences get a smaller batch (same tokens per step)
-    batch: int | None = None  # global batch; None: the scale's tokens per step at this row's seq
-    ds_config: str = "zero1_bf16"  # ds_configs/NAME.json, precision overridden
-    graph_partition: bool = True  # False: TORCHINDUCTOR_GRAPH_PARTITION=0 (inductor then reports CUDA-graph skips)
-    cuda_graphs: str = "inductor"  # train.cuda_graphs: inductor, capture (by hand) or off
-    profile: bool = False  # after the timed steps, PROFILED_STEPS more under train.profile (not in the medians)
-    layers_once: bool = False  # train.compile_layers_once (step only): one compiled layer per width, reused
-
-    @property
-    def compile_label(self) -> str:
-        label = "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
-        label = f"{label}, layers once" if self.layers_once else label
-        label = label if self.graph_partition else f"{label}, no partition"
-        return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
-
-
 PROFILED_STEPS = 3
-AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
 TRAIN_STEP_BASE = ("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision", "bf16",
                    "--ds-config", AUTOCAST)
-# The most telling first (a 15-minute lease reaches the first four or five; compiling base's whole step
-# unrolled took about two minutes, and on the 2026-11-27 H200 lease every such row ran past its limit,
-# leaving no figure). The issue's figures, on the paper configs' path (the autocast file, the whole step
-# compiled and captured by hand: what their cuda_graphs=auto picks on one GPU), each layer width compiled
-# once (train.compile_layers_once: a fraction of the compile, benchmarks/compile_time.py): base, the
-# headline MFU figure (profiled: where the step's time goes, kernel by kernel), at the acceptance's batch of
-# 128 (the figures before are at that batch); the same captured eager, which starts in seconds; the same
-# with the layers unrolled (the paper configs' default until layers once is checked on a GPU: the
-# cuda_graphs part runs that check); base at configs/base.yaml's own global batch of 256, which one GPU runs
-# as one micro-batch; small; base at seq 512. Then inductor's CUDA graphs instead of the capture (profiled), and without
-# inductor's graph partitioning (run only when the partitioned step recorded no CUDA graph: on the H200 it
-# recorded none); eager (profiled); ZeRO-1, the former default; then what each other switch changes, one at
-# a time.
-PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture")
-FAST_COMPILE = dict(PAPER_PATH, layers_once=True)
-GPU_RUNS = [PretrainRun("base", "bf16", "triton", True, "step", **FAST_COMPILE, profile=True),
-            PretrainRun("base", "bf16", "triton", False, **PAPER_PATH),
-            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),
-            PretrainRun("base", "bf16", "triton", True, "step", **FAST_COMPILE, batch=256),
-            PretrainRun("small", "bf16", "triton", True, "step", **FAST_COMPILE),
-            PretrainRun("base", "bf16", "triton", True, "step", **FAST_COMPILE, seq=512),
-            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True),
-            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False),
-            PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, profile=True),
-            PretrainRun("base", "bf16", "triton", True, "step"),
-            PretrainRun("small", "bf16", "triton", True, "step", **PAPER_PATH, seq=512),
-            PretrainRun("base", "bf16", "triton", False), PretrainRun("small", "bf16", "triton", False),
-            PretrainRun("base", "bf16", "torch", False), PretrainRun("base", "bf16", "triton", True),
-            PretrainRun("base", "fp16", "triton", False), PretrainRun("small", "bf16", "torch", False),
-            PretrainRun("base", "fp16", "triton", True), PretrainRun("small", "fp16", "triton", False),
-            PretrainRun("base", "bf16", "torch", True)]
-CPU_SMOKE_RUNS = [PretrainRun("tiny", "fp32", "torch", False, profile=True), PretrainRun("tiny", "fp32", "torch", True)]
 
 
 @dataclass(frozen=True)
 class Scale:
     """Sizes of one acceptance run: the real one on a GPU, or toy ones that exercise every part on CPU."""
     tests: tuple[str, ...]
+    cuda_graph_tests: tuple[str, ...]  # the cuda_graphs part's pytest arguments
     sdconv_args: tuple[tuple[str, ...], ...]
     train_step_args: tuple[tuple[str, ...], ...]  # one benchmarks/train_step.py command each
     runs: list[PretrainRun]
@@ -132,16 +79,21 @@ class Scale:
     log_interval: int = 5
 
 
+LAYERS_ONCE_ON_CUDA = ("tests/model/test_compile_layers_once.py::"
+                       "test_layers_compiled_once_give_the_eager_gradients[cuda]")
+CUDA_GRAPH_TESTS = "tests/engine/test_cuda_graphs.py"
 # Not test_kernels_compile.py: it compiles for sm_90 without a GPU, which the GPU itself makes moot (and it
 # took most of the first run's test budget).
 GPU = Scale(tests=("tests/kernels", "--ignore=tests/kernels/test_kernels_compile.py",
                    "tests/model/test_sdconv_reference.py", "tests/model/test_hf_parity.py",
                    "tests/model/test_packed_documents.py"),
+            cuda_graph_tests=(LAYERS_ONCE_ON_CUDA, CUDA_GRAPH_TESTS),
             sdconv_args=(("--dtype", "bf16"), ("--dtype", "fp16")),
             train_step_args=(TRAIN_STEP_BASE, (*TRAIN_STEP_BASE, "--capture", "--rows", "plain,engine")),
             runs=GPU_RUNS, batch=128, seq=128,
             steps=40, warmup_rows=2, vocab_size=30522)
 CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
+                  cuda_graph_tests=(CUDA_GRAPH_TESTS,),  # they say why they skip; the suite has the CPU gradients
                   sdconv_args=(("--dtype", "fp32", "--batch", "2", "--seq", "32", "--reps", "2"),),
                   train_step_args=(("--preset", "tiny", "--batch", "4", "--seq", "64", "--steps", "2", "--threads",
                                     "1"),),
@@ -149,8 +101,8 @@ CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
 
 
 class Acceptance:
-    def __init__(self, scale: Scale, work: Path, budget_s: float):
-        self.scale, self.work = scale, work
+    def __init__(self, scale: Scale, work: Path, budget_s: float, rows: re.Pattern | None = None):
+        self.scale, self.work, self.rows = scale, work, rows  # rows: which pretraining rows run (None: all)
         self.deadline = time.monotonic() + budget_s
         self.failed: list[str] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -178,8 +130,7 @@ class Acceptance:
         with inductor's graph partitioning on and off (``tests/engine/test_cuda_graphs.py``): one line per
         case, a failure's with its message."""
         _, _, output = self.run("cuda_graphs", [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                                             "tests/model/test_compile_layers_once.py",
-                                             "tests/engine/test_cuda_graphs.py"], limit_s=300)
+                                             *self.scale.cuda_graph_tests], limit_s=300)
         lines = output.strip().splitlines()
         verdicts = [line for line in lines if line.startswith(("PASSED", "FAILED", "SKIPPED", "ERROR"))]
         return _fenced(verdicts + lines[-1:] + where_it_stopped(output) or ["(no output)"])
@@ -216,12 +167,15 @@ class Acceptance:
                 "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
         profiles, graphs_of = [], {}
         for spec in self.scale.runs:
-            needless = _partitioning_captured(spec, graphs_of)
-            figures, profile = ([f"not run: {needless}"] + [""] * 5, []) if needless else self._pretrain_one(spec, shards)
-            graphs_of[spec] = figures[-1]
             seq, batch = self._shape(spec)
             label = (f"{spec.preset} | {seq} x {batch} | {spec.ds_config} | {spec.precision} | {spec.sdconv} | "
                      f"{spec.compile_label}")
+            if self.rows is not None and not self.rows.search(label):
+                continue
+            needless = _partitioning_captured(spec, graphs_of)
+            figures, profile = (([f"not run: {needless}"] + [""] * 5, []) if needless
+                                else self._pretrain_one(spec, shards))
+            graphs_of[spec] = figures[-1]
             rows.append(f"| {label} | " + " | ".join(figures) + " |")
             if profile:
                 profiles += ["", f"`{label}`:", "", _fenced(profile)]
@@ -245,7 +199,8 @@ class Acceptance:
                           f"when it runs kernel by kernel, A -> B when it re-records); no partition: "
                           f"`TORCHINDUCTOR_GRAPH_PARTITION=0`; capture: the step captured by hand "
                           f"(`train.cuda_graphs=capture`); layers once: one compiled layer per width "
-                          f"(`train.compile_layers_once=true`).", "", *rows, *profiles])
+                          f"(`train.compile_layers_once=true`); autotune: inductor's max-autotune "
+                          f"(`train.compile_autotune=true`).", "", *rows, *profiles])
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
@@ -280,6 +235,7 @@ class Acceptance:
                 f"train.precision={spec.precision}", f"train.compile={str(spec.compile).lower()}",
                 f"train.compile_mode={spec.compile_mode}", f"train.cuda_graphs={spec.cuda_graphs}",
                 f"train.compile_layers_once={str(spec.layers_once).lower()}",
+                f"train.compile_autotune={str(spec.autotune).lower()}",
                 f"model.overrides.sdconv_impl={spec.sdconv}", f"deepspeed.config=ds_configs/{spec.ds_config}.json",
                 f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
                 # Every 5 steps: a logging step reads its metrics back (a sync), the steps between do not.
@@ -290,13 +246,14 @@ class Acceptance:
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
         seq, batch = self._shape(spec)
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{seq}_batch{batch}_"
-                f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
+                f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}{'_autotune' if spec.autotune else ''}"
                 f"{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")
         run_dir = self.work / name
         code, _, output = self.run(name, [sys.executable, "-m", "convbert_ds.train",
                                          *self._train_args(spec, shards, run_dir, self.scale.steps)],
-                                   limit_s=200 if spec.compile else 120,  # compiling base: ~150 s on an H100
+                                   # compiling base: 65-150 s on an H100 or H200; autotuning: minutes more
+                                   limit_s=(330 if spec.autotune else 200) if spec.compile else 120,
                                    env=None if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"})
         try:
             rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -357,6 +314,13 @@ PARTS = {"cuda_graphs": "CUDA graphs of the step", "tests": "Kernel, fallback an
          "train_step": "Training step: plain PyTorch vs DeepSpeed engine vs transformers' ConvBERT",
          "pretrain": "One-GPU ELECTRA pretraining throughput (the trainer's own log)",
          "nccl": "Two processes on one GPU"}
+
+
+def _row_pattern(text: str) -> re.Pattern:
+    try:
+        return re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression ({error}); e.g. 'base \\| 128 x'")
 
 
 def _part_list(text: str) -> list[str]:
@@ -430,8 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", type=_part_list, default=list(PARTS),
                         help=f"comma-separated parts to run, in this order (default: {','.join(PARTS)}); a short "
                              "lease can put the figures it needs most first")
+    parser.add_argument("--rows", metavar="REGEX", type=_row_pattern,
+                        help="run only the pretraining rows whose table label matches (re.search over e.g. "
+                             "'base | 128 x 128 | zero0_autocast_bf16 | bf16 | auto | step, capture'; escape its "
+                             "| as \\|), in their order (default: every row, as the budget allows)")
     parser.add_argument("--logs", metavar="DIR", type=Path,
-                        help="also keep each part's full log (PART.log) in DIR (default: only the summary is kept)")
+                        help="also keep each part's full log (PART.log) and the profiled runs' traces "
+                             "(RUN.pt.trace.json.gz) in DIR (default: only the summary is kept)")
     args = parser.parse_args(argv)
     import torch
     on_gpu = torch.cuda.is_available()
@@ -441,16 +410,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu_acceptance_") as tmp:
-        acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget)
+        acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget, args.rows)
         body = [(PARTS[name], getattr(acceptance, name)()) for name in args.parts]
         if args.logs is not None:
             args.logs.mkdir(parents=True, exist_ok=True)
             for log in Path(tmp).glob("*.log"):
                 shutil.copy(log, args.logs / log.name)
+            # The profiled rows' traces, compressed (tens of MB each as JSON): the summary in RESULTS.md lists
+            # the top kernels; benchmarks/trace_summary.py reads any number of them back from these.
+            for trace in Path(tmp).glob("*/logs/profile/*.pt.trace.json"):
+                with trace.open("rb") as source, gzip.open(args.logs / f"{trace.parents[2].name}.pt.trace.json.gz",
+                                                           "wb") as target:
+                    shutil.copyfileobj(source, target)
     command = " ".join(["python -m benchmarks.gpu_acceptance",
                         *([] if on_gpu else ["--cpu-smoke", args.cpu_smoke.name]),
                         *([] if args.parts == list(PARTS) else ["--parts", ",".join(args.parts)]),
-                        *([] if args.budget == 540 else ["--budget", f"{args.budget:g}"])])
+                        *([] if args.budget == 540 else ["--budget", f"{args.budget:g}"]),
+                        *([] if args.rows is None else ["--rows", f"'{args.rows.pattern}'"])])
     date = datetime.date.today().isoformat()
     section = [f"### {date}: {device_name(on_gpu)}", "",
                environment(on_gpu), f"Command: `{command}` ({time.monotonic() - started:.0f} s in all).",

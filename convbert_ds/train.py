@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(dataclasses.asdict(plan), indent=2, default=str))
     compiled = cfg.train.compile_mode if cfg.train.compile else "off"
-    if compiled == "step" and cfg.train.compile_layers_once:
-        compiled = "step+layers_once"
+    if compiled == "step":
+        compiled += "+layers_once" * cfg.train.compile_layers_once + "+autotune" * cfg.train.compile_autotune
     # train.cuda_graphs=auto says what it chose, and why when that is not a capture by hand.
     graphs = f"cuda_graphs={plan.cuda_graphs}" + (f" (auto: {plan.cuda_graphs_why} cannot be captured)"
                                                   if plan.cuda_graphs_why else "")

@@ -35,7 +35,8 @@ MORE = {
     "benchmarks.document_conv": [], "benchmarks.gpu_acceptance": [],
     "benchmarks.hf_finetune_check": ["--model", "m", "--task-dir", "t"], "benchmarks.model_cpu": [],
     "benchmarks.packing": [], "benchmarks.preprocess": [], "benchmarks.pretraining_transfer": [],
-    "benchmarks.reshape": [], "benchmarks.sdconv": [], "benchmarks.train_step": [],
+    "benchmarks.reshape": [], "benchmarks.sdconv": [], "benchmarks.trace_summary": ["t.json"],
+    "benchmarks.train_step": [],
 }
 COMMANDS = sorted([*CLIS, *MORE])
 sys.path.append(str(REPO / "benchmarks"))  # as `python benchmarks/X.py` has it: scripts import each other by name

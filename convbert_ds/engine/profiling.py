@@ -9,7 +9,8 @@ What each kind writes, per rank, under ``log.dir/profile/``:
   per step against the device's busy time, the kernels and host ops that took the most, and the
   device's time by kind of kernel (matmuls, inductor's fused kernels, SDConv, copies and casts, the
   optimizer...; ``device_time_summary``); rank 0 also prints it, so a run says whether it is bound by the host or the
-  device without opening a trace.
+  device without opening a trace. ``python benchmarks/trace_summary.py TRACE --top N`` prints the same
+  summary from a trace file later, on any machine, as long as you like (``trace_file_events``).
 - ``memory``: a CUDA memory snapshot (every allocation of the window with its stack),
   ``memory_rank{R}.pickle``, for https://pytorch.org/memory_viz.
 - ``nvtx``: NVTX ranges for Nsight Systems, one per step (``train step N``) and one per op inside it;
@@ -21,11 +22,14 @@ The window costs nothing outside itself: no profiler object exists before ``star
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 import time
 from pathlib import Path
 
 import torch
 
+from convbert_ds.errors import UserError
 from convbert_ds.formats.train_config import ProfileSection
 
 
@@ -153,10 +157,12 @@ def _by_kind(on_device: list, steps: int, busy_us: float) -> list[str]:
     return lines
 
 
-def device_time_summary(profile: torch.profiler.profile, steps: int, wall_s: float, top: int = 12) -> list[str]:
+def device_time_summary(profile, steps: int, wall_s: float, top: int = 12) -> list[str]:
     """Lines that say whether a profiled window was bound by the device or by the host: the device's busy
     time per step (kernels and copies, summed; one stream) against the wall time per step, the kernels
-    launched per step, the ops that kept the device busiest, and the busy time by kind of kernel."""
+    launched per step, the ops that kept the device busiest, and the busy time by kind of kernel.
+    ``profile``: a ``torch.profiler.profile``, or ``trace_file_events``' events (anything with
+    ``key_averages()``)."""
     averages = profile.key_averages()
     # Only the device's own rows (kernels, copies): an op's row repeats the time of the kernels it launched,
     # and a ``record_function`` range (``train step N``, the optimizer's step) is mirrored on the device's
@@ -185,3 +191,46 @@ def device_time_summary(profile: torch.profiler.profile, steps: int, wall_s: flo
     for self_us, count, key in sorted(host, reverse=True)[:top // 2]:
         lines.append(f"  {self_us / 1e3 / steps:8.2f} ms/step x{count // steps:<5} {key[:90]}")
     return lines
+
+
+# The trace file's event categories (the Chrome trace format torch's profiler writes) that the summary reads:
+# the device's own work, and the host's ops, ranges and CUDA runtime calls.
+_DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+_HOST_CATEGORIES = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"}
+
+
+def trace_file_events(path: Path) -> tuple[torch.autograd.profiler_util.EventList, int, float]:
+    """A ``.pt.trace.json`` (or ``.json.gz``) that ``train.profile`` wrote, read back as the profiler's own
+    events, for ``device_time_summary``: ``(events, steps, wall_s)``. Steps are its ``train step N`` ranges;
+    the wall time runs from the first one's start to the last event's end (the device's tail included)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt") as file:
+            trace = json.load(file)
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path}: not a readable profiler trace ({error}); pass the .pt.trace.json (or .gz) "
+                         "that train.profile wrote under log.dir/profile/") from None
+    events, step_starts, last_end = [], [], 0.0
+    for raw in trace.get("traceEvents", []) if isinstance(trace, dict) else []:
+        category = raw.get("cat")
+        if raw.get("ph") != "X" or category not in _DEVICE_CATEGORIES | _HOST_CATEGORIES | {"gpu_user_annotation"}:
+            continue
+        start, end, name = float(raw["ts"]), float(raw["ts"]) + float(raw.get("dur", 0)), str(raw["name"])
+        on_device = category in _DEVICE_CATEGORIES or category == "gpu_user_annotation"
+        if category == "user_annotation" and name.startswith(STEP_RANGE):
+            step_starts.append(start)
+        last_end = max(last_end, end)
+        thread = raw.get("tid", 0)
+        events.append(FunctionEvent(id=len(events), name=name, thread=thread if isinstance(thread, int) else 0,
+                                    start_us=start, end_us=end, use_device="cuda",
+                                    device_type=DeviceType.CUDA if on_device else DeviceType.CPU,
+                                    is_user_annotation=category in ("user_annotation", "gpu_user_annotation"),
+                                    stack=[]))
+    if not step_starts:
+        raise UserError(f"{path}: no '{STEP_RANGE}N' range in it; pass a trace that train.profile wrote")
+    timeline = EventList(sorted(events, key=lambda e: (e.time_range.start, -e.time_range.end)), use_device="cuda")
+    timeline._build_tree()  # each host op's own time: its span less its children's
+    return timeline, len(step_starts), (last_end - min(step_starts)) / 1e6

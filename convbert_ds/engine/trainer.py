@@ -85,7 +85,8 @@ class Trainer:
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
             probe_triton_kernels(model, torch.device("cuda", torch.cuda.current_device()), dtype)
         if t.compile and t.compile_mode == "step":
-            compile_step(model, cuda_graphs=self.graphs.trees, layers_once=t.compile_layers_once)
+            compile_step(model, cuda_graphs=self.graphs.trees, layers_once=t.compile_layers_once,
+                         autotune=t.compile_autotune)
         elif t.compile:
             compile_layers(model)
         return model

@@ -154,9 +154,14 @@ class TrainSection:
         "cuda_graphs)")] = "layers"
     compile_layers_once: Annotated[bool, Key(
         "with train.compile_mode=step (ignored otherwise): compile one encoder layer per width and call it for "
-        "every layer instead of unrolling them all into the step's graph: a much shorter first step "
-        "(benchmarks/compile_time.py), no fusion across a layer's edges; off until its gradients are checked "
-        "against eager on a GPU (tests/model/test_compile_layers_once.py)")] = False
+        "every layer instead of unrolling them all into the step's graph: a much shorter first step on CPU "
+        "(benchmarks/compile_time.py), no fusion across a layer's edges; off: on an H200 it gave the unrolled "
+        "step's samples/s and no shorter compile (benchmarks/RESULTS.md)")] = False
+    compile_autotune: Annotated[bool, Key(
+        "with train.compile_mode=step (ignored otherwise): inductor's max-autotune for the step, its matmuls "
+        "timed as Triton templates (their elementwise epilogues fused in) against cuBLAS and every fused "
+        "kernel's block sizes tuned; minutes more of compiling at the first step; off until a GPU shows it "
+        "pays (benchmarks/gpu_acceptance.py)")] = False
     cuda_graphs: Annotated[Literal["inductor", "capture", "auto", "off"], Key(
         "CUDA graphs on GPUs, so the host does not queue each kernel (nothing on CPU): inductor = inductor's "
         "CUDA-graph trees for train.compile_mode=step (reduce-overhead; inductor may decline, see cuda_graphs in "

@@ -18,8 +18,9 @@ for inductor to trace and schedule (the small preset's whole step took 39% longe
 with the einsum). ``impl="triton"`` runs Triton kernels instead
 (``convbert_ds.kernels.document_conv_triton``): one pass over ``x`` forward, one over ``x`` and the gradient
 backward, and inductor keeps them out of its graph as custom ops. ``"auto"`` picks them on CUDA once a probe
-has checked them there against this path, as for SDConv (``model/sdconv.py``); ``probe_document_conv`` runs
-that probe ahead of ``torch.compile``.
+has checked them there against this path, as for SDConv (``model/sdconv.py``), except under ``torch.compile``,
+where this path is faster (``benchmarks/document_conv.py --compile``); ``probe_document_conv`` runs that
+probe eagerly, ahead of ``torch.compile`` or a CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def document_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, taps: torch.T
         raise ValueError(f"document_depthwise_conv expects x [B, T, C], weight [C, K] and taps [B, T, K]; got "
                          f"{tuple(x.shape)}, {tuple(weight.shape)} and {tuple(taps.shape)}")
     chosen = resolve_impl(impl, x.device)
+    if impl == "auto" and torch.compiler.is_compiling():
+        # Traced, the torch path is the faster one: inductor fuses its shifted multiply-adds with their
+        # neighbours, while the Triton op is a fusion barrier (forward + backward at ConvBERT-base's shape on an
+        # H200 under torch.compile: 0.79 ms against 1.12 ms; eager the Triton kernels win, 0.75 against 2.97).
+        chosen = "torch"
     if chosen == "triton" and impl == "auto":
         device, kernel_size = x.device, weight.shape[1]
         if cached_reason(_probe_key(device, kernel_size),

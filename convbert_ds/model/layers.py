@@ -300,7 +300,7 @@ def probe_triton_kernels(model: nn.Module, device: torch.device | str, dtype: to
     return {**probe_sdconv(model, device, dtype), **probe_document_conv(model, device)}
 
 
-def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False) -> None:
+def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False, autotune: bool = False) -> None:
     """Put the whole forward of ``model`` (the ELECTRA step: masking, both bodies, sampling, losses) through
     ``torch.compile`` as one graph, in place: ``fullgraph=True``, so a graph break is an error, not a silent
     return of the host to the loop; its backward is compiled with it (AOTAutograd). ``cuda_graphs`` (on CUDA
@@ -317,7 +317,12 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False)
     reuse is turned off for it: with it, torch 2.13 corrupted the gradients of a reused region (the
     discriminator's last layer's input projections came back about 100% off, the loss right;
     ``tests/model/test_compile_layers_once.py``), and freed buffers return to torch's caching allocator
-    anyway."""
+    anyway.
+
+    ``autotune``: inductor's max-autotune. On a GPU the step's time is in its matmuls and in the fused
+    elementwise kernels around them (``benchmarks/RESULTS.md``, H200); this times Triton matmul templates,
+    which can take those kernels in as epilogues, against cuBLAS, and tunes every fused kernel's block sizes,
+    for minutes more of compiling."""
     _eager_random_stream()
     for body in model.modules():
         if hasattr(body, "layers_compiled_once"):
@@ -325,6 +330,8 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False)
     options = {"triton.cudagraphs": cuda_graphs}  # what mode="reduce-overhead" sets, which options cannot join
     if layers_once:
         options["allow_buffer_reuse"] = False
+    if autotune:
+        options.update({"max_autotune": True, "coordinate_descent_tuning": True})
     # ``forward``, not the module's call: hooks that an engine registers on the module (DeepSpeed's timers
     # and ZeRO bookkeeping) stay eager around the graph instead of breaking it.
     model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)

@@ -32,7 +32,7 @@ def test_without_a_gpu_it_says_so_and_touches_nothing():
 def test_every_part_runs_on_cpu(tmp_path):
     before = RESULTS.read_bytes()
     out = tmp_path / "acceptance.md"
-    result = _acceptance("--cpu-smoke", str(out))
+    result = _acceptance("--cpu-smoke", str(out), "--logs", str(tmp_path / "logs"))
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     assert RESULTS.read_bytes() == before
     text = out.read_text()
@@ -53,6 +53,13 @@ def test_every_part_runs_on_cpu(tmp_path):
     assert "`tiny | 64 x 4 | zero1_bf16 | fp32 | torch | off`:" in profiles
     assert "profile summary (rank 0, 3 steps):" in profiles and "no CUDA kernels recorded" in profiles
     assert "host: the ops with the most CPU time of their own" in profiles
+    # --logs keeps each part's log and the profiled row's trace, which trace_summary.py reads back.
+    traces = sorted((tmp_path / "logs").glob("*.pt.trace.json.gz"))
+    assert [path.name.split("_")[1] for path in traces] == ["tiny"] and (tmp_path / "logs" / "nccl.log").exists()
+    summary = subprocess.run([sys.executable, "benchmarks/trace_summary.py", str(traces[0]), "--top", "20"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert summary.returncode == 0 and "profile summary (" in summary.stdout, summary.stderr
+    assert "(Python between the ops, in the step)" in summary.stdout and len(summary.stdout.splitlines()) == 13
     assert "2 processes on one device (gloo): 5 steps of tiny ran and saved." in text
     # A second run appends its own section under the one heading; --parts runs those parts, in that order.
     assert _acceptance("--cpu-smoke", str(out), "--budget", "1", "--parts", "nccl,tests").returncode == 1
@@ -125,3 +132,15 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.slow
+def test_rows_runs_only_the_pretraining_rows_it_matches(tmp_path):
+    out = tmp_path / "acceptance.md"
+    result = _acceptance("--cpu-smoke", str(out), "--parts", "pretrain", "--rows", r"fp32 \| torch \| off$")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| tiny |")]
+    assert len(rows) == 1 and rows[0].split("|")[6].strip() == "off", text  # the compiled row left out
+    assert float(rows[0].split("|")[7].replace(",", "")) > 0
+    assert "--parts pretrain --rows 'fp32 \\| torch \\| off$'" in text  # the command as run

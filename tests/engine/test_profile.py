@@ -90,6 +90,44 @@ def test_the_device_summary_counts_kernels_once_and_not_the_ranges_mirrored_on_t
         ["0.00", "ms/step", "x0", "of those in kernels under 10 us on average"]]
 
 
+def test_a_trace_file_read_back_gives_the_summary(tmp_path):
+    """``trace_file_events`` over a trace as torch's profiler writes it (Chrome's format, gzip-compressed):
+    the same timeline as above, its ranges mirrored on the device, the host's ops nested in its steps."""
+    import gzip
+
+    from convbert_ds.engine.profiling import STEP_RANGE, device_time_summary, trace_file_events
+    from convbert_ds.errors import UserError
+
+    def event(category, name, start_ms, end_ms, tid):
+        return {"ph": "X", "cat": category, "name": name, "ts": start_ms * 1000, "dur": (end_ms - start_ms) * 1000,
+                "pid": 0, "tid": tid}
+
+    events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "python"}}]
+    for step in range(2):  # steps of 100 ms: a 30 ms GEMM, a 10 ms copy, and the host op launching them
+        t = 100 * step
+        events += [event("user_annotation", f"{STEP_RANGE}{step + 1}", t, t + 90, tid=1),
+                   event("gpu_user_annotation", f"{STEP_RANGE}{step + 1}", t, t + 90, tid=7),
+                   event("user_annotation", "Optimizer.step#AdamW.step", t + 60, t + 90, tid=1),
+                   event("kernel", "gemm_kernel", t, t + 30, tid=7),
+                   event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", t + 60, t + 70, tid=7),
+                   event("cpu_op", "aten::mm", t, t + 20, tid=1)]
+    trace = tmp_path / "rank0.pt.trace.json.gz"
+    with gzip.open(trace, "wt") as file:
+        json.dump({"traceEvents": events}, file)
+    timeline, steps, wall_s = trace_file_events(trace)
+    assert (steps, wall_s) == (2, pytest.approx(0.19))  # from the first step's start to the last event's end
+    lines = device_time_summary(timeline, steps, wall_s)
+    assert lines[0] == "wall 95.0 ms/step, device busy 40.0 ms/step (42%), 2 kernels and copies/step"
+    assert [row.split()[-1] for row in lines[1:3]] == ["gemm_kernel", "Device)"]
+    host = lines[lines.index("  host: the ops with the most CPU time of their own") + 1:]
+    assert [row.split(None, 3)[::3] for row in host[:3]] == [  # the step's own time: 90 ms less its two children
+        ["40.00", "(Python between the ops, in the step)"], ["30.00", "Optimizer.step#AdamW.step"],
+        ["20.00", "aten::mm"]]
+    (tmp_path / "other.json").write_text(json.dumps({"traceEvents": events[3:4]}))
+    with pytest.raises(UserError, match="no 'train step N' range in it"):
+        trace_file_events(tmp_path / "other.json")
+
+
 @pytest.mark.parametrize("name,kind", [  # names from H100 profiles of the step (RESULTS.md)
     ("void magma_sgemmEx_kernel<float, __nv_bfloat16, __nv_bfloat16, false, false, 6, 3, 5, 3, 3", "matmuls (cuBLAS)"),
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT", "matmuls (cuBLAS)"),

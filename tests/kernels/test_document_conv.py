@@ -109,11 +109,32 @@ def test_auto_probes_once_and_then_uses_the_kernels(monkeypatch):
     assert calls and len(sdconv._TRITON_PROBED) == 1  # the probe's answer was read, not probed again
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    # Compiled whole: the probed answer is a dict lookup in the graph, not the probe's graph break.
+
+
+def _compiled_ops(impl, inputs):
+    """The op names in the graph that ``torch.compile(fullgraph=True)`` traces of the conv with ``impl``."""
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x, w, t: depthwise.document_depthwise_conv(x, w, t, impl="auto"),
-                             backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(*inputs[:3]), want[0], rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(lambda x, w, t: depthwise.document_depthwise_conv(x, w, t, impl=impl),
+                             backend=recording_backend, fullgraph=True)
+    torch.testing.assert_close(compiled(*inputs[:3]), _value_and_grads("torch", *inputs)[0], rtol=1e-5, atol=1e-5)
+    return {str(node.target) for graph in graphs for node in graph.graph.nodes}
+
+
+def test_auto_takes_the_torch_path_when_compiled(monkeypatch):
+    # Traced, inductor fuses the torch path's multiply-adds with their neighbours and the Triton op would be a
+    # fusion barrier (benchmarks/document_conv.py --compile); fullgraph: no probe breaks the graph either.
+    monkeypatch.setattr(depthwise, "resolve_impl", _auto_picks_triton)
+    monkeypatch.setattr(sdconv, "_TRITON_PROBED", {})
+    inputs = _inputs(kernel_size=5)
+    assert any("document_conv_forward" in op for op in _compiled_ops("triton", inputs))  # what the check sees
+    assert not any("document_conv" in op for op in _compiled_ops("auto", inputs))
+    assert sdconv._TRITON_PROBED == {}  # nor was the probe run for it
 
 
 def test_a_failing_kernel_sends_auto_to_the_torch_path(monkeypatch, capsys):

@@ -1,0 +1,68 @@
+"""The pretraining rows of the GPU acceptance (``benchmarks/gpu_acceptance.py``'s ``pretrain`` part): what
+each row runs through ``convbert_ds.train``, and which rows run, in which order, on a GPU and in the CPU
+smoke run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PretrainRun:
+    preset: str
+    precision: str
+    sdconv: str
+    compile: bool
+    compile_mode: str = "layers"  # train.compile_mode when compile is on: layers, or step (the whole step)
+    seq: int | None = None  # None: the scale's; longer sequences get a smaller batch (same tokens per step)
+    batch: int | None = None  # global batch; None: the scale's tokens per step at this row's seq
+    ds_config: str = "zero1_bf16"  # ds_configs/NAME.json, precision overridden
+    graph_partition: bool = True  # False: TORCHINDUCTOR_GRAPH_PARTITION=0 (inductor then reports CUDA-graph skips)
+    cuda_graphs: str = "inductor"  # train.cuda_graphs: inductor, capture (by hand) or off
+    profile: bool = False  # after the timed steps, gpu_acceptance.PROFILED_STEPS more, profiled (not in the medians)
+    layers_once: bool = False  # train.compile_layers_once (step only): one compiled layer per width, reused
+    autotune: bool = False  # train.compile_autotune (step only): inductor's max-autotune
+
+    @property
+    def compile_label(self) -> str:
+        label = "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
+        label = f"{label}, layers once" if self.layers_once else label
+        label = f"{label}, autotune" if self.autotune else label
+        label = label if self.graph_partition else f"{label}, no partition"
+        return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
+
+
+AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
+
+# The most telling first (a 15-minute lease reaches the first four or five; compiling base's whole step takes
+# 65-90 s on an H200). The issue's figures, on the paper configs' path (the autocast file, the whole step
+# compiled and captured by hand: what their cuda_graphs=auto picks on one GPU), at the acceptance's batch of
+# 128: base with sdconv_impl=auto as the configs run it (the packed conv through inductor when compiled,
+# model/depthwise.py), profiled: where the step's time goes, kernel by kernel; the same with the Triton conv
+# forced (22.3% MFU on the 2026-11-27 H200 lease: the A/B); with inductor's max-autotune (profiled: what its
+# matmul templates and fused epilogues change); base at configs/base.yaml's own global batch of
+# 256, which one GPU runs as one micro-batch; the same captured eager, which starts in seconds; ZeRO-1's bf16
+# weights; small; base at seq 512; each layer width compiled once (train.compile_layers_once: the same
+# samples/s on the H200, its gradients checked there). Then inductor's CUDA graphs instead of the capture
+# (profiled), and without inductor's graph partitioning; eager (profiled); then what each other switch
+# changes, one at a time.
+PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture")
+GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
+            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, autotune=True, profile=True),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256),
+            PretrainRun("base", "bf16", "auto", False, **PAPER_PATH),
+            PretrainRun("base", "bf16", "auto", True, "step"),
+            PretrainRun("small", "bf16", "auto", True, "step", **PAPER_PATH),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, seq=512),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, layers_once=True),
+            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True),
+            PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False),
+            PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, profile=True),
+            PretrainRun("small", "bf16", "triton", True, "step", **PAPER_PATH, seq=512),
+            PretrainRun("base", "bf16", "triton", False), PretrainRun("small", "bf16", "triton", False),
+            PretrainRun("base", "bf16", "torch", False), PretrainRun("base", "bf16", "triton", True),
+            PretrainRun("base", "fp16", "triton", False), PretrainRun("small", "bf16", "torch", False),
+            PretrainRun("base", "fp16", "triton", True), PretrainRun("small", "fp16", "triton", False),
+            PretrainRun("base", "bf16", "torch", True)]
+CPU_SMOKE_RUNS = [PretrainRun("tiny", "fp32", "torch", False, profile=True), PretrainRun("tiny", "fp32", "torch", True)]

@@ -246,7 +246,8 @@ class Acceptance:
         mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
         seq, batch = self._shape(spec)
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{seq}_batch{batch}_"
-                f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}{'_autotune' if spec.autotune else ''}"
+                f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
+                f"{'_autotune' if spec.autotune else ''}"
                 f"{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")
         run_dir = self.work / name

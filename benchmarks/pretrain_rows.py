@@ -44,8 +44,8 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 # 256, which one GPU runs as one micro-batch; the same captured eager, which starts in seconds; ZeRO-1's bf16
 # weights; small; base at seq 512; each layer width compiled once (train.compile_layers_once: the same
 # samples/s on the H200, its gradients checked there). Then inductor's CUDA graphs instead of the capture
-# (profiled), and without inductor's graph partitioning; eager (profiled); then what each other switch
-# changes, one at a time.
+# (profiled), and without inductor's graph partitioning (run only when the partitioned step recorded no CUDA
+# graph); eager (profiled); then what each other switch changes, one at a time.
 PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture")
 GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),

@@ -197,6 +197,7 @@ def device_time_summary(profile, steps: int, wall_s: float, top: int = 12) -> li
 # the device's own work, and the host's ops, ranges and CUDA runtime calls.
 _DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 _HOST_CATEGORIES = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"}
+_READ_CATEGORIES = _DEVICE_CATEGORIES | _HOST_CATEGORIES | {"gpu_user_annotation"}  # the last: ranges mirrored
 
 
 def trace_file_events(path: Path) -> tuple[torch.autograd.profiler_util.EventList, int, float]:
@@ -216,7 +217,7 @@ def trace_file_events(path: Path) -> tuple[torch.autograd.profiler_util.EventLis
     events, step_starts, last_end = [], [], 0.0
     for raw in trace.get("traceEvents", []) if isinstance(trace, dict) else []:
         category = raw.get("cat")
-        if raw.get("ph") != "X" or category not in _DEVICE_CATEGORIES | _HOST_CATEGORIES | {"gpu_user_annotation"}:
+        if raw.get("ph") != "X" or category not in _READ_CATEGORIES:
             continue
         start, end, name = float(raw["ts"]), float(raw["ts"]) + float(raw.get("dur", 0)), str(raw["name"])
         on_device = category in _DEVICE_CATEGORIES or category == "gpu_user_annotation"

@@ -15,16 +15,18 @@ the ratio is each variant's time over the einsum's. The packed variants are chec
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
-from convbert_ds.model.depthwise import document_depthwise_conv
-from convbert_ds.model.sdconv import same_segment_taps
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/document_conv.py` finds timing
+
+from benchmarks.timing import medians_ms  # noqa: E402
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
+from convbert_ds.model.depthwise import document_depthwise_conv  # noqa: E402
+from convbert_ds.model.sdconv import same_segment_taps  # noqa: E402
 
 BASELINE = "unfold + einsum (before)"
 
@@ -58,23 +60,11 @@ VARIANTS = {"conv1d, one document (no mask)": conv1d_one_document, BASELINE: unf
             TORCH_PATH: document_depthwise_conv, "Triton kernels (impl=triton)": triton_kernels}
 
 
-def median_ms(fn, x, weight, taps, grad_out, reps: int, cuda: bool) -> float:
+def fwd_bwd(fn, x, weight, taps, grad_out):
     def once():
         out = fn(x, weight, taps)
         torch.autograd.grad(out, (x, weight), grad_out.to(out.dtype))
-
-    for _ in range(3):  # warm-up (and compiling)
-        once()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        once()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
+    return once
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         before = variants[BASELINE](x, weight, taps).float()
         worst = {name: ((variants[name](x, weight, taps).float() - before).abs().max() / before.abs().max()).item()
                  for name in variants if name not in (BASELINE, list(VARIANTS)[0])}
-        times = {name: median_ms(fn, x, weight, taps, grad_out, args.reps, cuda) for name, fn in variants.items()}
+        times = medians_ms({name: fwd_bwd(fn, x, weight, taps, grad_out) for name, fn in variants.items()},
+                           args.reps, cuda)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"device={name} batch={batch} seq={args.seq} channels={args.channels} K={args.kernel} "
           f"precision={'bf16 autocast' if cuda else 'fp32'} compile={'on' if args.compile else 'off'} "

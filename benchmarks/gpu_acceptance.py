@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,7 @@ class Scale:
     tests: tuple[str, ...]
     cuda_graph_tests: tuple[str, ...]  # the cuda_graphs part's pytest arguments
     sdconv_args: tuple[tuple[str, ...], ...]
+    layer_op_commands: tuple[tuple[str, ...], ...]  # one benchmarks/SCRIPT command each: (SCRIPT, *args)
     train_step_args: tuple[tuple[str, ...], ...]  # one benchmarks/train_step.py command each
     runs: list[PretrainRun]
     batch: int
@@ -90,6 +92,8 @@ GPU = Scale(tests=("tests/kernels", "--ignore=tests/kernels/test_kernels_compile
                    "tests/model/test_packed_documents.py"),
             cuda_graph_tests=(LAYERS_ONCE_ON_CUDA, CUDA_GRAPH_TESTS),
             sdconv_args=(("--dtype", "bf16"), ("--dtype", "fp16")),
+            layer_op_commands=(("input_projections.py",), ("input_projections.py", "--compile"),
+                               ("document_conv.py",), ("document_conv.py", "--compile")),
             # The paper path against transformers compiled first (the eager figures are in RESULTS.md already).
             train_step_args=((*TRAIN_STEP_BASE, "--compile-step", "--capture", "--rows", "plain,transformers"),
                              TRAIN_STEP_BASE, (*TRAIN_STEP_BASE, "--capture", "--rows", "plain,engine")),
@@ -98,6 +102,8 @@ GPU = Scale(tests=("tests/kernels", "--ignore=tests/kernels/test_kernels_compile
 CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
                   cuda_graph_tests=(CUDA_GRAPH_TESTS,),  # they say why they skip; the suite has the CPU gradients
                   sdconv_args=(("--dtype", "fp32", "--batch", "2", "--seq", "32", "--reps", "2"),),
+                  layer_op_commands=(("input_projections.py", "--preset", "tiny", "--batch", "2", "--seq", "32",
+                                      "--reps", "2"),),
                   train_step_args=(("--preset", "tiny", "--batch", "4", "--seq", "64", "--steps", "2", "--threads",
                                     "1"),),
                   runs=CPU_SMOKE_RUNS, batch=4, seq=64, steps=6, warmup_rows=2, vocab_size=2000, log_interval=1)
@@ -144,11 +150,20 @@ class Acceptance:
         return _fenced(output.strip().splitlines()[-1:] or ["(no output)"])
 
     def sdconv(self) -> str:
+        return self._scripts("sdconv", [("sdconv.py", *args) for args in self.scale.sdconv_args])
+
+    def layer_ops(self) -> str:
+        """One layer's ops on their own, eager and compiled: the stacked input projections against the separate
+        ones they replaced, and the packed documents' conv, each variant beside its baseline."""
+        return self._scripts("layer_ops", self.scale.layer_op_commands)
+
+    def _scripts(self, part: str, commands: Sequence[tuple[str, ...]]) -> str:
+        """Run each ``(SCRIPT, *args)`` of ``commands`` as ``python benchmarks/SCRIPT args``: what each printed."""
         parts = []
-        for args in self.scale.sdconv_args:
-            code, stdout, output = self.run(f"sdconv_{args[1]}", [sys.executable, "benchmarks/sdconv.py", *args],
+        for i, (script, *args) in enumerate(commands):
+            code, stdout, output = self.run(f"{part}_{i}", [sys.executable, f"benchmarks/{script}", *args],
                                             limit_s=120)
-            parts.append(f"$ python benchmarks/sdconv.py {' '.join(args)}\n{(stdout if code == 0 else output).strip()}")
+            parts.append(f"$ python benchmarks/{' '.join([script, *args])}\n{(stdout if code == 0 else output).strip()}")
         return _fenced(parts)
 
     def train_step(self) -> str:
@@ -319,7 +334,8 @@ class Acceptance:
 PARTS = {"cuda_graphs": "CUDA graphs of the step", "tests": "Kernel, fallback and parity tests", "sdconv": "SDConv kernel",
          "train_step": "Training step: plain PyTorch vs DeepSpeed engine vs transformers' ConvBERT",
          "pretrain": "One-GPU ELECTRA pretraining throughput (the trainer's own log)",
-         "nccl": "Two processes on one GPU"}
+         "nccl": "Two processes on one GPU",
+         "layer_ops": "One layer's ops: the stacked input projections, the packed documents' conv"}
 
 
 def _row_pattern(text: str) -> re.Pattern:

@@ -122,7 +122,7 @@ def _synchronized_clock() -> float:
 # breakdown of the device's time: which kind of work a cut must come from.
 KERNEL_KINDS = (
     ("inductor's fused kernels", ("triton_",)),  # inductor names its kernels triton_{poi,red,per}_...
-    ("SDConv kernels (ours)", ("_sdconv_",)),
+    ("our Triton kernels (SDConv, packed conv)", ("_sdconv_", "_document_conv_")),
     ("matmuls (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")),
     ("attention", ("flash", "fmha", "attention")),
     ("optimizer and clipping (multi-tensor)", ("multi_tensor", "adam")),

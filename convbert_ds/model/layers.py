@@ -136,17 +136,33 @@ class ConvBertSelfAttention(nn.Module):
         batch, seq_len, _ = x.shape
         return x.view(batch, seq_len, self.num_heads, self.head_dim)
 
+    def _input_projections(self, hidden_states: torch.Tensor) -> list[torch.Tensor]:
+        """``[query, key, value]``, and the conv heads' values (``conv_out_layer``) where there are conv heads:
+        the projections that read the layer's input, as one matmul over their weights stacked.
+
+        One wide GEMM instead of three or four narrow ones (N = 4A instead of A), one cast of the stacked
+        weight under autocast instead of one per weight, and in the backward one GEMM for the input's
+        gradient instead of four and their sum. The parameters stay the four ``nn.Linear``s transformers
+        names, so checkpoints do not change. ZeRO-3 gathers weights read without their module's call on
+        access (its parameter getter registers them as this module's external parameters)."""
+        projections = [self.query, self.key, self.value]
+        if hasattr(self, "conv_out_layer"):
+            projections.append(self.conv_out_layer)
+        weight = torch.cat([p.weight for p in projections])
+        bias = torch.cat([p.bias for p in projections])
+        return list(F.linear(hidden_states, weight, bias).split(self.query.out_features, dim=-1))
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | PaddingMasks | None = None
                 ) -> torch.Tensor:
         """``hidden_states`` ``[B, T, H]``; ``attention_mask`` ``[B, T]`` (1 = token, 0 = padding), its
         ``PaddingMasks``, or None."""
         batch, seq_len, _ = hidden_states.shape
-        query = self.query(hidden_states)
+        query, key, value, *conv_values = self._input_projections(hidden_states)
         masks = padding_masks(attention_mask)
         sdpa_mask = None if masks is None else masks.attention
         context = F.scaled_dot_product_attention(
-            self._heads(query).transpose(1, 2), self._heads(self.key(hidden_states)).transpose(1, 2),
-            self._heads(self.value(hidden_states)).transpose(1, 2), attn_mask=sdpa_mask,
+            self._heads(query).transpose(1, 2), self._heads(key).transpose(1, 2),
+            self._heads(value).transpose(1, 2), attn_mask=sdpa_mask,
             dropout_p=self.dropout_p if self.training else 0.0).transpose(1, 2).reshape(batch, seq_len, -1)
         conv_type = self.config.conv_type
         if conv_type == "none":
@@ -162,7 +178,7 @@ class ConvBertSelfAttention(nn.Module):
             kernel_logits = self.conv_kernel_layer(kernel_input).view(batch, seq_len, self.num_heads,
                                                                       self.kernel_size)
             value_mask = masks.tokens if self.config.sdconv_mask_padding and masks is not None else None
-            conv = dynamic_conv(kernel_logits, self._heads(self.conv_out_layer(hidden_states)), value_mask,
+            conv = dynamic_conv(kernel_logits, self._heads(conv_values[0]), value_mask,
                                 impl=self.config.sdconv_impl, segments=None if masks is None else masks.documents
                                 ).reshape(batch, seq_len, -1)
         return torch.cat([context, conv], dim=-1)

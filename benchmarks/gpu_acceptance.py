@@ -28,6 +28,9 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    the CUDA graphs the step recorded (the most telling runs first). The headline rows then profile 3 more
    steps (``train.profile``): the device's busy time against the wall time, the top kernels and host ops.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
+7. ``layer_ops``: one layer's ops on their own at base's shape, eager and compiled:
+   ``benchmarks/input_projections.py`` (the stacked input projections against the four one by one) and
+   ``benchmarks/document_conv.py`` (the packed documents' conv, Triton against torch).
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0, leaving RESULTS.md untouched.
 Exit code: 0 when every part that ran passed, 1 otherwise (the figures are written either way).
@@ -163,7 +166,8 @@ class Acceptance:
         for i, (script, *args) in enumerate(commands):
             code, stdout, output = self.run(f"{part}_{i}", [sys.executable, f"benchmarks/{script}", *args],
                                             limit_s=120)
-            parts.append(f"$ python benchmarks/{' '.join([script, *args])}\n{(stdout if code == 0 else output).strip()}")
+            report = stdout if code == 0 else output
+            parts.append(f"$ python benchmarks/{' '.join([script, *args])}\n{report.strip()}")
         return _fenced(parts)
 
     def train_step(self) -> str:

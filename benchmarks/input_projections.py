@@ -2,9 +2,9 @@
 their weights stacked, as the model runs them, against the same layer calling the four ``nn.Linear``s one by
 one, as transformers does and the model did before: forward + backward, same weights, same inputs.
 
-    python benchmarks/input_projections.py             # CUDA: base's discriminator layer, 128 x 128, bf16 autocast
+    python benchmarks/input_projections.py             # base; CUDA: 128 x 128, bf16 autocast; CPU: 8 x 128, fp32
     python benchmarks/input_projections.py --compile   # each layer through torch.compile (the paper configs' path)
-    python benchmarks/input_projections.py --preset small --batch 8 --threads 2   # CPU default: base, 8 x 128, fp32
+    python benchmarks/input_projections.py --preset small --batch 8 --threads 2
 
 Samples packed from three documents each (the trainer's default input). Each row prints its median time over
 ``--reps`` runs after warm-up (the two layers take turns) and the ATen ops that one forward + backward

@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     batch = args.batch or (128 if cuda else 8)
-    config = preset(args.preset, vocab_size=1000, max_position_embeddings=max(512, args.seq),
-                    sdconv_impl="auto" if cuda else "torch")
+    config = preset(args.preset, vocab_size=1000, max_position_embeddings=max(512, args.seq))  # sdconv_impl auto
     torch.manual_seed(0)
     layer = ConvBertLayer(config).to(device)
     layers = {STACKED: layer, SEPARATE: with_separate_projections(layer)}

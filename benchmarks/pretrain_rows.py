@@ -42,8 +42,8 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 # forced (22.3% MFU on the 2026-11-27 H200 lease: the A/B); with inductor's max-autotune (profiled: what its
 # matmul templates and fused epilogues change); base at configs/base.yaml's own global batch of
 # 256, which one GPU runs as one micro-batch; ZeRO-1's bf16 weights, captured (no autocast casts, half the
-# elementwise traffic; DeepSpeed's optimizer step outside the graphs); the same captured eager, which starts
-# in seconds; small; base at seq 512; each layer width compiled once (train.compile_layers_once: the same
+# elementwise traffic; DeepSpeed's optimizer step outside the graphs); the paper path captured eager, which
+# starts in seconds; small; base at seq 512; each layer width compiled once (train.compile_layers_once: the same
 # samples/s on the H200, its gradients checked there). Then inductor's CUDA graphs instead of the capture
 # (profiled), and without inductor's graph partitioning (run only when the partitioned step recorded no CUDA
 # graph); eager (profiled); then what each other switch changes, one at a time.

@@ -23,14 +23,15 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and
    without inductor's graph partitioning, the step captured by hand (``train.cuda_graphs: capture``), its
    layers unrolled or compiled once per width (``train.compile_layers_once``), inductor's max-autotune
-   (``train.compile_autotune``);
+   (``train.compile_autotune``), the residual stream in bf16 (``model.overrides.residual_dtype=autocast``);
    samples/s, tokens/s and MFU are the medians of the trainer's own ``metrics.jsonl`` after warm-up, with
    the CUDA graphs the step recorded (the most telling runs first). The headline rows then profile 3 more
    steps (``train.profile``): the device's busy time against the wall time, the top kernels and host ops.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 7. ``layer_ops``: one layer's ops on their own at base's shape, eager and compiled:
-   ``benchmarks/input_projections.py`` (the stacked input projections against the four one by one) and
-   ``benchmarks/document_conv.py`` (the packed documents' conv, Triton against torch).
+   ``benchmarks/residual_dtype.py`` (the residual stream in bf16 against fp32, with inductor's count of the
+   bytes its kernels move), ``benchmarks/input_projections.py`` (the stacked input projections against the
+   four one by one) and ``benchmarks/document_conv.py`` (the packed documents' conv, Triton against torch).
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0, leaving RESULTS.md untouched.
 Exit code: 0 when every part that ran passed, 1 otherwise (the figures are written either way).
@@ -95,8 +96,9 @@ GPU = Scale(tests=("tests/kernels", "--ignore=tests/kernels/test_kernels_compile
                    "tests/model/test_packed_documents.py"),
             cuda_graph_tests=(LAYERS_ONCE_ON_CUDA, CUDA_GRAPH_TESTS),
             sdconv_args=(("--dtype", "bf16"), ("--dtype", "fp16")),
-            layer_op_commands=(("input_projections.py",), ("input_projections.py", "--compile"),
-                               ("document_conv.py",), ("document_conv.py", "--compile")),
+            layer_op_commands=(("residual_dtype.py", "--compile"), ("input_projections.py",),
+                               ("input_projections.py", "--compile"), ("document_conv.py",),
+                               ("document_conv.py", "--compile")),
             # The paper path against transformers compiled first (the eager figures are in RESULTS.md already).
             train_step_args=((*TRAIN_STEP_BASE, "--compile-step", "--capture", "--rows", "plain,transformers"),
                              TRAIN_STEP_BASE, (*TRAIN_STEP_BASE, "--capture", "--rows", "plain,engine")),
@@ -106,7 +108,9 @@ CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
                   cuda_graph_tests=(CUDA_GRAPH_TESTS,),  # they say why they skip; the suite has the CPU gradients
                   sdconv_args=(("--dtype", "fp32", "--batch", "2", "--seq", "32", "--reps", "2"),),
                   layer_op_commands=(("input_projections.py", "--preset", "tiny", "--batch", "2", "--seq", "32",
-                                      "--reps", "2"),),
+                                      "--reps", "2"),
+                                     ("residual_dtype.py", "--preset", "tiny", "--batch", "2", "--seq", "32",
+                                      "--reps", "2")),
                   train_step_args=(("--preset", "tiny", "--batch", "4", "--seq", "64", "--steps", "2", "--threads",
                                     "1"),),
                   runs=CPU_SMOKE_RUNS, batch=4, seq=64, steps=6, warmup_rows=2, vocab_size=2000, log_interval=1)
@@ -192,7 +196,7 @@ class Acceptance:
         profiles, graphs_of = [], {}
         for spec in self.scale.runs:
             seq, batch = self._shape(spec)
-            label = (f"{spec.preset} | {seq} x {batch} | {spec.ds_config} | {spec.precision} | {spec.sdconv} | "
+            label = (f"{spec.preset} | {seq} x {batch} | {spec.ds_config} | {spec.precision_label} | {spec.sdconv} | "
                      f"{spec.compile_label}")
             if self.rows is not None and not self.rows.search(label):
                 continue
@@ -224,7 +228,8 @@ class Acceptance:
                           f"`TORCHINDUCTOR_GRAPH_PARTITION=0`; capture: the step captured by hand "
                           f"(`train.cuda_graphs=capture`); layers once: one compiled layer per width "
                           f"(`train.compile_layers_once=true`); autotune: inductor's max-autotune "
-                          f"(`train.compile_autotune=true`).", "", *rows, *profiles])
+                          f"(`train.compile_autotune=true`); P, R residual: the residual stream in R "
+                          f"(`model.overrides.residual_dtype=R`).", "", *rows, *profiles])
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
@@ -260,7 +265,8 @@ class Acceptance:
                 f"train.compile_mode={spec.compile_mode}", f"train.cuda_graphs={spec.cuda_graphs}",
                 f"train.compile_layers_once={str(spec.layers_once).lower()}",
                 f"train.compile_autotune={str(spec.autotune).lower()}",
-                f"model.overrides.sdconv_impl={spec.sdconv}", f"deepspeed.config=ds_configs/{spec.ds_config}.json",
+                f"model.overrides.sdconv_impl={spec.sdconv}", f"model.overrides.residual_dtype={spec.residual}",
+                f"deepspeed.config=ds_configs/{spec.ds_config}.json",
                 f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
                 # Every 5 steps: a logging step reads its metrics back (a sync), the steps between do not.
                 f"log.dir={run_dir / 'logs'}", f"log.interval={self.scale.log_interval}", "eval.interval=0"]
@@ -272,6 +278,7 @@ class Acceptance:
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{seq}_batch{batch}_"
                 f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
                 f"{'_autotune' if spec.autotune else ''}"
+                f"{'' if spec.residual == 'fp32' else f'_{spec.residual}_residual'}"
                 f"{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")
         run_dir = self.work / name

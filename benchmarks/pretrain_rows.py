@@ -22,6 +22,11 @@ class PretrainRun:
     profile: bool = False  # after the timed steps, gpu_acceptance.PROFILED_STEPS more, profiled (not in the medians)
     layers_once: bool = False  # train.compile_layers_once (step only): one compiled layer per width, reused
     autotune: bool = False  # train.compile_autotune (step only): inductor's max-autotune
+    residual: str = "fp32"  # model.overrides.residual_dtype: "autocast" keeps the residual stream in bf16
+
+    @property
+    def precision_label(self) -> str:
+        return self.precision if self.residual == "fp32" else f"{self.precision}, {self.residual} residual"
 
     @property
     def compile_label(self) -> str:
@@ -39,7 +44,9 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 # compiled and captured by hand: what their cuda_graphs=auto picks on one GPU), at the acceptance's batch of
 # 128: base with sdconv_impl=auto as the configs run it (the packed conv through inductor when compiled,
 # model/depthwise.py), profiled: where the step's time goes, kernel by kernel; the same with the Triton conv
-# forced (22.3% MFU on the 2026-11-27 H200 lease: the A/B); with inductor's max-autotune (profiled: what its
+# forced (22.3% MFU on the 2026-11-27 H200 lease: the A/B); with the residual stream in bf16
+# (model.overrides.residual_dtype=autocast: the LayerNorms write bf16, so the memory-bound kernels between the
+# matmuls move fewer bytes; the A/B against the first row); with inductor's max-autotune (profiled: what its
 # matmul templates and fused epilogues change); base at configs/base.yaml's own global batch of
 # 256, which one GPU runs as one micro-batch; ZeRO-1's bf16 weights, captured (no autocast casts, half the
 # elementwise traffic; DeepSpeed's optimizer step outside the graphs); the paper path captured eager, which
@@ -50,6 +57,7 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture")
 GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, residual="autocast", profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, autotune=True, profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256),
             PretrainRun("base", "bf16", "auto", True, "step", cuda_graphs="capture"),

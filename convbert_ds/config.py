@@ -24,6 +24,7 @@ from convbert_ds.errors import UserError
 
 CONV_TYPES = ("sdconv", "dynamic", "conventional", "none")
 SDCONV_IMPLS = ("auto", "triton", "torch")
+RESIDUAL_DTYPES = ("fp32", "autocast")
 HIDDEN_ACTS = ("gelu", "gelu_new", "relu", "silu", "tanh")
 OBJECTIVES = ("electra", "mlm")
 MASKING_MODES = ("fixed", "bernoulli")
@@ -72,6 +73,12 @@ class ModelConfig:
     # transformers lets padded values leak into the conv window of real tokens;
     # parity needs that, so masking them is opt-in.
     sdconv_mask_padding: bool = False
+    # Under torch.autocast only: the dtype of the LayerNorms' outputs, which are the residual stream between
+    # layers. "fp32" is what autocast writes (on CUDA its LayerNorm runs and returns fp32; transformers' too);
+    # "autocast" casts them to autocast's dtype (bf16/fp16), as Megatron keeps its bf16 residual stream, so
+    # that the memory-bound kernels around every LayerNorm move half the bytes, forward and backward. The
+    # LayerNorm itself still computes in fp32. Without autocast (fp32, DeepSpeed's bf16 weights) no effect.
+    residual_dtype: str = "fp32"
     # None: derived from hidden_size and the heads, as transformers does (module docstring).
     attention_head_size: int | None = None
 
@@ -119,6 +126,9 @@ class ModelConfig:
             _fail(own, "conv_type", self.conv_type, "unknown conv type", f"use one of {CONV_TYPES}")
         if self.sdconv_impl not in SDCONV_IMPLS:
             _fail(own, "sdconv_impl", self.sdconv_impl, "unknown implementation", f"use one of {SDCONV_IMPLS}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            _fail(own, "residual_dtype", self.residual_dtype, "unknown residual dtype",
+                  f"use one of {RESIDUAL_DTYPES} (\"autocast\": the LayerNorms' outputs in autocast's dtype)")
         if not 0 <= self.pad_token_id < self.vocab_size:
             _fail(own, "pad_token_id", self.pad_token_id, f"must be a token id in [0, vocab_size={self.vocab_size})",
                   "use the tokenizer's [PAD] id (0 for tokenizers built by preprocessing.tokenizer)")
@@ -164,8 +174,8 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    # transformers' ConvBertConfig has no conv_type/sdconv_impl; only "sdconv" bodies are representable there.
-    _HF_ONLY_OURS = ("conv_type", "sdconv_impl", "sdconv_mask_padding", "attention_head_size")
+    # transformers' ConvBertConfig has none of these fields; only "sdconv" bodies are representable there.
+    _HF_ONLY_OURS = ("conv_type", "sdconv_impl", "sdconv_mask_padding", "attention_head_size", "residual_dtype")
 
     def not_in_transformers(self) -> str | None:
         """Why transformers' ConvBERT cannot express this body, or None when it can."""

@@ -34,9 +34,8 @@ MORE = {
     "benchmarks.ablation": [], "benchmarks.compile_time": [], "benchmarks.convert": [],
     "benchmarks.document_conv": [], "benchmarks.gpu_acceptance": [],
     "benchmarks.hf_finetune_check": ["--model", "m", "--task-dir", "t"], "benchmarks.input_projections": [],
-    "benchmarks.model_cpu": [],
-    "benchmarks.packing": [], "benchmarks.preprocess": [], "benchmarks.pretraining_transfer": [],
-    "benchmarks.reshape": [], "benchmarks.sdconv": [], "benchmarks.trace_summary": ["t.json"],
+    "benchmarks.model_cpu": [], "benchmarks.packing": [], "benchmarks.preprocess": [],
+    "benchmarks.pretraining_transfer": [], "benchmarks.reshape": [], "benchmarks.residual_dtype": [], "benchmarks.sdconv": [], "benchmarks.trace_summary": ["t.json"],
     "benchmarks.train_step": [],
 }
 COMMANDS = sorted([*CLIS, *MORE])

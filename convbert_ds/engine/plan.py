@@ -46,7 +46,7 @@ TRAINER_OWNED_DS_KEYS = {
     "steps_per_print": "log.interval",
 }
 # What may change in a published model's config when pretraining continues from it (model.init_from_hf).
-INIT_SAFE_OVERRIDES = ("sdconv_impl", "hidden_dropout_prob", "attention_probs_dropout_prob")
+INIT_SAFE_OVERRIDES = ("sdconv_impl", "residual_dtype", "hidden_dropout_prob", "attention_probs_dropout_prob")
 # What a resumed checkpoint must share with the run: the networks and the special tokens (the masking rate
 # and the loss weight may change between runs).
 _ARCHITECTURE_KEYS = ("discriminator", "generator", "objective", "tie_generator_body", "mask_token_id",

@@ -21,7 +21,7 @@ from convbert_ds.config import ModelConfig
 from convbert_ds.errors import UserError
 from convbert_ds.model import hf_io
 from convbert_ds.model.layers import (ACTIVATIONS, ConvBertEmbeddings, ConvBertLayer, document_positions,
-                                      init_weights, padding_masks, run_layer_compiled_once)
+                                      ResidualLayerNorm, init_weights, padding_masks, run_layer_compiled_once)
 
 
 class InputError(UserError, ValueError):
@@ -132,7 +132,7 @@ class ConvBertGeneratorPredictions(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.embedding_size)
-        self.LayerNorm = nn.LayerNorm(config.embedding_size, eps=config.layer_norm_eps)
+        self.LayerNorm = ResidualLayerNorm(config.embedding_size, config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(nn.functional.gelu(self.dense(hidden_states)))

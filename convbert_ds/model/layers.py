@@ -57,6 +57,26 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
+class ResidualLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters and names) whose output, under ``torch.autocast`` and with
+    ``ModelConfig.residual_dtype="autocast"``, is in autocast's dtype. CUDA's autocast runs LayerNorm in fp32
+    and returns fp32 (CPU's keeps an fp32 input's dtype), so every residual add, dropout and LayerNorm
+    backward between layers would read and write 4 bytes an element where the matmuls around them take 2.
+    The norm's statistics are still computed in fp32; only what it writes is narrower. Outside autocast it
+    is ``nn.LayerNorm``."""
+
+    def __init__(self, width: int, config: ModelConfig):
+        super().__init__(width, eps=config.layer_norm_eps)
+        self.to_autocast_dtype = config.residual_dtype == "autocast"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        device = out.device.type
+        if self.to_autocast_dtype and torch.is_autocast_enabled(device):
+            return out.to(torch.get_autocast_dtype(device))
+        return out
+
+
 class ConvBertEmbeddings(nn.Module):
     """Word + position + token-type embeddings, LayerNorm, dropout (width ``embedding_size``)."""
 
@@ -65,7 +85,7 @@ class ConvBertEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, config.embedding_size, padding_idx=config.pad_token_id)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.embedding_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.embedding_size)
-        self.LayerNorm = nn.LayerNorm(config.embedding_size, eps=config.layer_norm_eps)
+        self.LayerNorm = ResidualLayerNorm(config.embedding_size, config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
@@ -191,7 +211,7 @@ class ConvBertSelfOutput(nn.Module):
         super().__init__()
         in_width = config.attention_width * (2 if config.has_conv else 1)
         self.dense = nn.Linear(in_width, config.hidden_size) if dense is None else dense
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.LayerNorm = ResidualLayerNorm(config.hidden_size, config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,8 @@ def test_every_part_runs_on_cpu(tmp_path):
     assert "torch reference vs transformers" in text
     layer_ops = text.split("#### One layer's ops")[1].split("####")[0]
     assert "$ python benchmarks/input_projections.py --preset tiny" in layer_ops and "stacked / separate:" in layer_ops
+    assert "$ python benchmarks/residual_dtype.py --preset tiny" in layer_ops
+    assert "bf16 / fp32 residual stream:" in layer_ops
     # Without CUDA the CUDA-graph test is skipped, saying why, and no run claims a captured graph.
     assert "CUDA graphs need a CUDA GPU" in text.split("#### CUDA graphs of the step")[1].split("####")[0]
     rows = [line for line in text.splitlines() if line.startswith("| tiny | 64 x 4 | zero1_bf16 | fp32 | torch |")]

@@ -1,0 +1,142 @@
+"""What the layer benchmarks share (``input_projections.py``, ``residual_dtype.py``): one encoder layer in two
+variants, forward + backward side by side on the same weights and inputs.
+
+Inputs are samples packed from three documents each (the trainer's default input). Each variant prints its
+median time over ``reps`` runs after warm-up (the variants take turns, ``benchmarks/timing.py``), the ATen
+ops one forward + backward dispatches (about one kernel each on a GPU; counted eager, compiled or not), and
+with ``compile`` the bytes that inductor estimates its compiled forward and backward read and write, kernel
+by kernel (its own count, ``torch._inductor.metrics``, for the kernels it generates for this device): all
+of them (``MB moved``, the matmuls' operands included) and those of the kernels it fuses itself (``MB
+fused``: the elementwise and reduction work between the matmuls). On a GPU those fused kernels are bound by
+the bytes they move, so the count says on a CPU what a change does to them. The outputs are checked against
+each other first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch._inductor.scheduler import ExternKernelSchedulerNode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the scripts run as `python benchmarks/X.py`
+
+from benchmarks.document_conv import three_documents_per_sample  # noqa: E402
+from benchmarks.timing import medians_ms  # noqa: E402
+from convbert_ds.cli import ArgumentParser, bounded  # noqa: E402
+from convbert_ds.config import PRESET_NAMES, ModelConfig  # noqa: E402
+from convbert_ds.model.layers import padding_masks  # noqa: E402
+from convbert_ds.model.op_count import OpCounter  # noqa: E402
+
+# The logger inductor checks before it counts a graph's bytes (torch._inductor.compile_fx's artifact logger).
+_INDUCTOR_METRICS_LOGGER = "torch._inductor.compile_fx.__inductor_metrics"
+
+
+@dataclass
+class Variant:
+    layer: nn.Module
+    input_dtype: torch.dtype = torch.float32  # what the layer before it hands it (the residual stream's dtype)
+
+
+def parse_arguments(doc: str, argv: list[str] | None):
+    """The layer benchmarks' command line (``doc``: the script's docstring); sets ``--threads``."""
+    parser = ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="base", help="the discriminator's layer")
+    parser.add_argument("--batch", type=bounded(int, min=1), default=None, help="default: 128 on CUDA, 8 on CPU")
+    parser.add_argument("--seq", type=bounded(int, min=8), default=128)
+    parser.add_argument("--reps", type=bounded(int, min=1), default=20)
+    parser.add_argument("--compile", action="store_true", help="each layer through torch.compile (inductor)")
+    parser.add_argument("--threads", type=bounded(int, min=1), default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+@contextlib.contextmanager
+def inductor_bytes_counted():
+    """Inside: inductor adds each graph it compiles to ``torch._inductor.metrics`` (reset on entry): the bytes
+    (``num_bytes_accessed``) and the kernels they are of (``nodes_num_elem``). It counts only when its metrics
+    logger is enabled (the logger's records are dropped here), and a graph from its on-disk caches brings
+    the total back but not the kernels, so the caches are off inside."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    import torch._inductor.metrics as metrics
+
+    logger = logging.getLogger(_INDUCTOR_METRICS_LOGGER)
+    saved = logger.level, logger.propagate, list(logger.handlers)
+    logger.setLevel(logging.INFO)
+    logger.propagate, logger.handlers = False, [logging.NullHandler()]
+    metrics.reset()
+    try:
+        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            yield metrics
+    finally:
+        logger.level, logger.propagate, logger.handlers = saved[0], saved[1], saved[2]
+
+
+def compare(args, config: ModelConfig, variants: dict[str, Variant], autocast: bool) -> dict[str, dict[str, float]]:
+    """Print the comparison of ``variants`` of ``config``'s layer at ``args``' sizes (``parse_arguments``;
+    the first variant is the one the others' outputs are checked against); return each one's figures
+    (``ms``, ``ops``, and with ``--compile`` ``mb`` and ``fused_mb``)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    batch, seq, reps, compile = args.batch or (128 if cuda else 8), args.seq, args.reps, args.compile
+    x32 = torch.randn(batch, seq, config.hidden_size, device=device)
+    inputs = {name: x32.to(v.input_dtype).requires_grad_() for name, v in variants.items()}
+    grad_out = torch.randn_like(x32)
+    masks = padding_masks(None, three_documents_per_sample(batch, seq, device), config.conv_kernel_size)
+    precision = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
+
+    def fwd_bwd(name: str, module: nn.Module):
+        def once():
+            with precision:
+                out = module(inputs[name], masks)
+            torch.autograd.grad(out, [inputs[name], *module.parameters()], grad_out.to(out.dtype))
+        return once
+
+    outputs = []
+    for name, variant in variants.items():
+        torch.manual_seed(1)  # dropout: the same draws for every variant
+        with precision:
+            outputs.append(variant.layer(inputs[name], masks).float())
+    difference = max((out - outputs[0]).abs().max() for out in outputs[1:]) / outputs[0].abs().max()
+    figures: dict[str, dict[str, float]] = {}
+    for name, variant in variants.items():
+        with OpCounter() as counter:
+            fwd_bwd(name, variant.layer)()
+        figures[name] = {"ops": counter.total}
+    runs = {}
+    for name, variant in variants.items():
+        runs[name] = fwd_bwd(name, torch.compile(variant.layer) if compile else variant.layer)
+        if compile:
+            with inductor_bytes_counted() as metrics:
+                runs[name]()  # compiles the forward and the backward
+            figures[name]["mb"] = metrics.num_bytes_accessed / 1e6
+            figures[name]["fused_mb"] = 4 * sum(quarter for node, quarter in metrics.nodes_num_elem  # bytes // 4
+                                                if not isinstance(node, ExternKernelSchedulerNode)) / 1e6
+    for name, ms in medians_ms(runs, reps, cuda).items():
+        figures[name]["ms"] = ms
+    print(f"device={torch.cuda.get_device_name() if cuda else 'cpu'} preset={args.preset} layer (hidden "
+          f"{config.hidden_size}, heads {config.num_heads} x {config.head_dim}) batch={batch} seq={seq} "
+          f"precision={'bf16 autocast' if autocast else 'fp32'} compile={'on' if compile else 'off'} "
+          f"threads={torch.get_num_threads()} reps={reps}")
+    print(f"largest difference of the outputs over the largest output: {difference:.1e}")
+    print(f"{'layer':<44}{'fwd+bwd (ms)':>14}{'eager ops':>11}"
+          + (f"{'MB moved':>10}{'MB fused':>10}" if compile else ""))
+    for name, f in figures.items():
+        print(f"{name:<44}{f['ms']:>14.3f}{f['ops']:>11,}"
+              + (f"{f['mb']:>10.1f}{f['fused_mb']:>10.1f}" if compile else ""))
+    return figures
+
+
+def ratio_line(label: str, top: dict[str, float], bottom: dict[str, float]) -> str:
+    """``label: T (time), O (ops)[, B (bytes)]``: one variant's figures over another's."""
+    parts = [f"{top[key] / bottom[key]:.3f} ({what})" for key, what in
+             (("ms", "time"), ("ops", "ops"), ("mb", "bytes"), ("fused_mb", "fused kernels' bytes")) if key in top]
+    return f"{label}: " + ", ".join(parts)

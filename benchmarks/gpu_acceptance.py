@@ -228,8 +228,8 @@ class Acceptance:
                           f"`TORCHINDUCTOR_GRAPH_PARTITION=0`; capture: the step captured by hand "
                           f"(`train.cuda_graphs=capture`); layers once: one compiled layer per width "
                           f"(`train.compile_layers_once=true`); autotune: inductor's max-autotune "
-                          f"(`train.compile_autotune=true`); P, R residual: the residual stream in R "
-                          f"(`model.overrides.residual_dtype=R`).", "", *rows, *profiles])
+                          f"(`train.compile_autotune=true`); P, P residual: the residual stream in P as well "
+                          f"(`model.overrides.residual_dtype=autocast`).", "", *rows, *profiles])
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).

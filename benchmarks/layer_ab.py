@@ -1,15 +1,17 @@
 """What the layer benchmarks share (``input_projections.py``, ``residual_dtype.py``): one encoder layer in two
 variants, forward + backward side by side on the same weights and inputs.
 
-Inputs are samples packed from three documents each (the trainer's default input). Each variant prints its
-median time over ``reps`` runs after warm-up (the variants take turns, ``benchmarks/timing.py``), the ATen
-ops one forward + backward dispatches (about one kernel each on a GPU; counted eager, compiled or not), and
-with ``compile`` the bytes that inductor estimates its compiled forward and backward read and write, kernel
-by kernel (its own count, ``torch._inductor.metrics``, for the kernels it generates for this device): all
-of them (``MB moved``, the matmuls' operands included) and those of the kernels it fuses itself (``MB
-fused``: the elementwise and reduction work between the matmuls). On a GPU those fused kernels are bound by
-the bytes they move, so the count says on a CPU what a change does to them. The outputs are checked against
-each other first.
+Inputs are samples packed from three documents each (the trainer's default input). Each variant prints:
+- its median time over ``reps`` runs after warm-up (the variants take turns, ``benchmarks/timing.py``);
+- the ATen ops one forward + backward dispatches (about one kernel each on a GPU; counted eager, compiled or
+  not);
+- with ``compile``, inductor's own count (``torch._inductor.metrics``) of its compiled forward and backward,
+  for the kernels it builds for this device: the kernels they launch, matmuls included; the bytes all of
+  them read and write (``MB moved``); and the bytes of the kernels it fuses itself (``MB fused``: the
+  elementwise and reduction work between the matmuls). On a GPU those are bound by the bytes they move, so
+  the count says on a CPU what a change does to them.
+
+The outputs are checked against each other first.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch._inductor.scheduler import ExternKernelSchedulerNode
+from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the scripts run as `python benchmarks/X.py`
 
@@ -120,6 +122,8 @@ def compare(args, config: ModelConfig, variants: dict[str, Variant], autocast: b
             figures[name]["mb"] = metrics.num_bytes_accessed / 1e6
             figures[name]["fused_mb"] = 4 * sum(quarter for node, quarter in metrics.nodes_num_elem  # bytes // 4
                                                 if not isinstance(node, ExternKernelSchedulerNode)) / 1e6
+            figures[name]["kernels"] = sum(not isinstance(node, NopKernelSchedulerNode)
+                                           for node, _ in metrics.nodes_num_elem)
     for name, ms in medians_ms(runs, reps, cuda).items():
         figures[name]["ms"] = ms
     print(f"device={torch.cuda.get_device_name() if cuda else 'cpu'} preset={args.preset} layer (hidden "
@@ -127,16 +131,17 @@ def compare(args, config: ModelConfig, variants: dict[str, Variant], autocast: b
           f"precision={'bf16 autocast' if autocast else 'fp32'} compile={'on' if compile else 'off'} "
           f"threads={torch.get_num_threads()} reps={reps}")
     print(f"largest difference of the outputs over the largest output: {difference:.1e}")
-    print(f"{'layer':<44}{'fwd+bwd (ms)':>14}{'eager ops':>11}"
-          + (f"{'MB moved':>10}{'MB fused':>10}" if compile else ""))
+    print(f"{'layer':<48}{'fwd+bwd (ms)':>14}{'eager ops':>11}"
+          + (f"{'kernels':>9}{'MB moved':>10}{'MB fused':>10}" if compile else ""))
     for name, f in figures.items():
-        print(f"{name:<44}{f['ms']:>14.3f}{f['ops']:>11,}"
-              + (f"{f['mb']:>10.1f}{f['fused_mb']:>10.1f}" if compile else ""))
+        print(f"{name:<48}{f['ms']:>14.3f}{f['ops']:>11,}"
+              + (f"{f['kernels']:>9,}{f['mb']:>10.1f}{f['fused_mb']:>10.1f}" if compile else ""))
     return figures
 
 
 def ratio_line(label: str, top: dict[str, float], bottom: dict[str, float]) -> str:
     """``label: T (time), O (ops)[, B (bytes)]``: one variant's figures over another's."""
     parts = [f"{top[key] / bottom[key]:.3f} ({what})" for key, what in
-             (("ms", "time"), ("ops", "ops"), ("mb", "bytes"), ("fused_mb", "fused kernels' bytes")) if key in top]
+             (("ms", "time"), ("ops", "ops"), ("kernels", "compiled kernels"), ("mb", "bytes"),
+              ("fused_mb", "fused kernels' bytes")) if key in top]
     return f"{label}: " + ", ".join(parts)

@@ -26,7 +26,7 @@ class PretrainRun:
 
     @property
     def precision_label(self) -> str:
-        return self.precision if self.residual == "fp32" else f"{self.precision}, {self.residual} residual"
+        return self.precision if self.residual == "fp32" else f"{self.precision}, {self.precision} residual"
 
     @property
     def compile_label(self) -> str:

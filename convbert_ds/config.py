@@ -77,7 +77,7 @@ class ModelConfig:
     # layers. "fp32" is what autocast writes (on CUDA its LayerNorm runs and returns fp32; transformers' too);
     # "autocast" casts them to autocast's dtype (bf16/fp16), as Megatron keeps its bf16 residual stream, so
     # that the memory-bound kernels around every LayerNorm move half the bytes, forward and backward. The
-    # LayerNorm itself still computes in fp32. Without autocast (fp32, DeepSpeed's bf16 weights) no effect.
+    # norms' statistics are still computed in fp32. Without autocast (fp32, DeepSpeed's bf16 weights) no effect.
     residual_dtype: str = "fp32"
     # None: derived from hidden_size and the heads, as transformers does (module docstring).
     attention_head_size: int | None = None

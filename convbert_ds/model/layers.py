@@ -63,7 +63,8 @@ class ResidualLayerNorm(nn.LayerNorm):
     and returns fp32 (CPU's keeps an fp32 input's dtype), so every residual add, dropout and LayerNorm
     backward between layers would read and write 4 bytes an element where the matmuls around them take 2.
     The norm's statistics are still computed in fp32; only what it writes is narrower. Outside autocast it
-    is ``nn.LayerNorm``."""
+    is ``nn.LayerNorm``. Every LayerNorm of the model is one, the generator head's too (its output feeds only
+    the tied decoder's matmul, which reads bf16 under autocast either way)."""
 
     def __init__(self, width: int, config: ModelConfig):
         super().__init__(width, eps=config.layer_norm_eps)

@@ -61,7 +61,7 @@ def parse_arguments(doc: str, argv: list[str] | None):
 
 
 @contextlib.contextmanager
-def inductor_bytes_counted():
+def inductor_metrics_counted():
     """Inside: inductor adds each graph it compiles to ``torch._inductor.metrics`` (reset on entry): the bytes
     (``num_bytes_accessed``) and the kernels they are of (``nodes_num_elem``). It counts only when its metrics
     logger is enabled (the logger's records are dropped here), and a graph from its on-disk caches brings
@@ -85,7 +85,7 @@ def inductor_bytes_counted():
 def compare(args, config: ModelConfig, variants: dict[str, Variant], autocast: bool) -> dict[str, dict[str, float]]:
     """Print the comparison of ``variants`` of ``config``'s layer at ``args``' sizes (``parse_arguments``;
     the first variant is the one the others' outputs are checked against); return each one's figures
-    (``ms``, ``ops``, and with ``--compile`` ``mb`` and ``fused_mb``)."""
+    (``ms``, ``ops``, and with ``--compile`` ``kernels``, ``mb`` and ``fused_mb``)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     batch, seq, reps, compile = args.batch or (128 if cuda else 8), args.seq, args.reps, args.compile
@@ -117,7 +117,7 @@ def compare(args, config: ModelConfig, variants: dict[str, Variant], autocast: b
     for name, variant in variants.items():
         runs[name] = fwd_bwd(name, torch.compile(variant.layer) if compile else variant.layer)
         if compile:
-            with inductor_bytes_counted() as metrics:
+            with inductor_metrics_counted() as metrics:
                 runs[name]()  # compiles the forward and the backward
             figures[name]["mb"] = metrics.num_bytes_accessed / 1e6
             figures[name]["fused_mb"] = 4 * sum(quarter for node, quarter in metrics.nodes_num_elem  # bytes // 4
@@ -140,7 +140,8 @@ def compare(args, config: ModelConfig, variants: dict[str, Variant], autocast: b
 
 
 def ratio_line(label: str, top: dict[str, float], bottom: dict[str, float]) -> str:
-    """``label: T (time), O (ops)[, B (bytes)]``: one variant's figures over another's."""
+    """``label: T (time), O (ops)[, K (compiled kernels), B (bytes), F (fused kernels' bytes)]``: one
+    variant's figures over another's."""
     parts = [f"{top[key] / bottom[key]:.3f} ({what})" for key, what in
              (("ms", "time"), ("ops", "ops"), ("kernels", "compiled kernels"), ("mb", "bytes"),
               ("fused_mb", "fused kernels' bytes")) if key in top]

@@ -3,13 +3,13 @@ autocast``: the LayerNorms write autocast's dtype) against the same layer with i
 it (the default, transformers' behaviour): forward + backward, same weights, same inputs, each layer fed
 what the layer before it would hand it (bf16 or fp32).
 
-    python benchmarks/residual_dtype.py --compile   # base; CUDA: 128 x 128; CPU: 8 x 128; inductor's bytes too
+    python benchmarks/residual_dtype.py --compile   # base; CUDA: 128 x 128; CPU: 8 x 128; inductor's counts too
     python benchmarks/residual_dtype.py             # eager
     python benchmarks/residual_dtype.py --preset small --batch 8 --threads 2
 
 What each row prints, and how: ``benchmarks/layer_ab.py``; on a CPU too the layers run under bf16 autocast.
-The ratio is the bf16 stream's over the fp32 one's. The LayerNorms compute in fp32 either way: the outputs
-differ by bf16's rounding of what they write.
+The ratio is the bf16 stream's over the fp32 one's. The LayerNorms' statistics are fp32 either way: the
+outputs differ by bf16's rounding of what they write.
 """
 
 from __future__ import annotations

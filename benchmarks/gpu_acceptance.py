@@ -29,8 +29,8 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    steps (``train.profile``): the device's busy time against the wall time, the top kernels and host ops.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 7. ``layer_ops``: one layer's ops on their own at base's shape, eager and compiled:
-   ``benchmarks/residual_dtype.py`` (the residual stream in bf16 against fp32, with inductor's count of the
-   bytes its kernels move), ``benchmarks/input_projections.py`` (the stacked input projections against the
+   ``benchmarks/residual_dtype.py`` (the residual stream in bf16 against fp32, with inductor's count of its
+   kernels and the bytes they move), ``benchmarks/input_projections.py`` (the stacked input projections against the
    four one by one) and ``benchmarks/document_conv.py`` (the packed documents' conv, Triton against torch).
 
 Without CUDA (and without ``--cpu-smoke``) it says so and exits 0, leaving RESULTS.md untouched.

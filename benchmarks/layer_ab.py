@@ -124,6 +124,10 @@ def compare(args, config: ModelConfig, variants: dict[str, Variant], autocast: b
                                                 if not isinstance(node, ExternKernelSchedulerNode)) / 1e6
             figures[name]["kernels"] = sum(not isinstance(node, NopKernelSchedulerNode)
                                            for node, _ in metrics.nodes_num_elem)
+            if not figures[name]["kernels"]:
+                raise RuntimeError(f"inductor counted no kernel for {name!r}: this torch ({torch.__version__}) "
+                                   f"does not count through the logger {_INDUCTOR_METRICS_LOGGER!r} or compiled "
+                                   "from a cache; run without --compile, or update inductor_metrics_counted")
     for name, ms in medians_ms(runs, reps, cuda).items():
         figures[name]["ms"] = ms
     print(f"device={torch.cuda.get_device_name() if cuda else 'cpu'} preset={args.preset} layer (hidden "

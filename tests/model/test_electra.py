@@ -6,6 +6,7 @@ import torch
 from convbert_ds.config import ConfigError, ElectraConfig, ModelConfig, generator_config
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.electra import IGNORE_INDEX, binary_auc, corrupt, gumbel_sample, mask_tokens
+from plain_training import train_plain
 
 SPECIALS = (0, 2, 3)
 
@@ -151,31 +152,9 @@ def test_mlm_objective_trains_the_masked_lm_alone():
     assert out.rtd_loss is None and torch.equal(out.loss.detach(), out.mlm_loss)
 
 
-def _train_plain(shards, steps: int, seq_len: int = 64, batch_size: int = 16, lr: float = 1e-3) -> list[dict]:
-    """A plain PyTorch loop over the real data path (no DeepSpeed), returning per-step metrics."""
-    from convbert_ds.data.loader import build_dataloader
-    from convbert_ds.data.shards import open_split
-
-    split = open_split(shards, "train")
-    torch.manual_seed(0)
-    config = ElectraConfig.from_preset("tiny", vocab_size=split.vocab_size, max_position_embeddings=seq_len)
-    model = ElectraForPretraining(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
-    loader = build_dataloader([{"path": shards}], "train", seq_len=seq_len, micro_batch_size=batch_size, seed=0,
-                              progress=False)
-    history = []
-    for _, batch in zip(range(steps), loader):
-        out = model(**batch)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        optimizer.step()
-        history.append(out.metrics())
-    return history
-
-
 def test_electra_learns_on_real_text(tiny_corpus):
     """A few hundred CPU steps of the tiny preset on the standard library's docstrings."""
-    history = _train_plain(tiny_corpus["shards"], steps=250)
+    history = train_plain(tiny_corpus["shards"], steps=250)
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     first, last = history[:5], history[-40:]
     assert mean(last, "mlm_loss") < mean(first, "mlm_loss") - 0.8

@@ -8,6 +8,7 @@ import torch
 from convbert_ds.config import ConfigError, ElectraConfig, ModelConfig, generator_config
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.layers import ConvBertLayer, ResidualLayerNorm
+from plain_training import train_plain
 
 STEPS = 150  # of the real-text runs
 
@@ -99,25 +100,11 @@ def test_the_bf16_stream_trains_as_the_fp32_one_on_real_text(tiny_corpus):
     """Both settings under bf16 autocast, same seed, same batches: the losses they reach agree to within
     what rounding makes of two runs, and both learn. Measured (CPU, torch 2.13): the mean MLM loss of the last
     30 of 150 steps, 6.1194 with the fp32 stream and 6.1197 with the bf16 one; allowed 0.05 apart."""
-    from convbert_ds.data.loader import build_dataloader
-    from convbert_ds.data.shards import open_split
-
-    vocab_size = open_split(tiny_corpus["shards"], "train").vocab_size
     finals = {}
     for residual_dtype in ("fp32", "autocast"):
-        torch.manual_seed(0)
-        model = ElectraForPretraining(_electra(residual_dtype, vocab_size))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
-        loader = build_dataloader([{"path": tiny_corpus["shards"]}], "train", seq_len=64, micro_batch_size=16,
-                                  seed=0, progress=False)
-        losses = []
-        for _, batch in zip(range(STEPS), loader):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = model(**batch)
-            optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
-            optimizer.step()
-            losses.append(out.mlm_loss.item())
+        history = train_plain(tiny_corpus["shards"], STEPS, config=lambda vocab: _electra(residual_dtype, vocab),
+                              autocast=True)
+        losses = [float(row["mlm_loss"]) for row in history]
         finals[residual_dtype] = sum(losses[-30:]) / 30
         assert finals[residual_dtype] < sum(losses[:5]) / 5 - 0.5, (residual_dtype, losses[:5], losses[-30:])
     assert abs(finals["fp32"] - finals["autocast"]) < 0.05, finals

@@ -5,12 +5,16 @@
 
     python benchmarks/document_conv.py                  # CUDA: ConvBERT-base's shape under bf16 autocast; CPU: fp32
     python benchmarks/document_conv.py --compile        # each variant through torch.compile (the paper configs' path)
-    python benchmarks/document_conv.py --batch 8 --threads 2
+    python benchmarks/document_conv.py --batch 8 --threads 2 --compile --x-dtype bf16
 
-Forward + backward of the conv alone, as the model calls it: ``x`` ``[B, T, C]`` in fp32 (a LayerNorm's
-output), the weight ``[C, K]`` in fp32, under autocast on CUDA. Documents of about a third of the
-sequence each. Median of ``--reps`` runs after warm-up, all variants on the same inputs in one process;
-the ratio is each variant's time over the einsum's. The packed variants are checked against the einsum first.
+Forward + backward of the conv alone, as the model calls it: ``x`` ``[B, T, C]`` a LayerNorm's output (in
+bf16 on CUDA, where the paper configs keep the residual stream in bf16, ``residual_dtype: autocast``; in
+fp32 on CPU; ``--x-dtype``), the weight ``[C, K]`` in fp32, under bf16 autocast on CUDA or with a bf16
+``x``. Documents of about a third of the sequence each. Median of ``--reps`` runs after warm-up, all
+variants on the same inputs in one process; the ratio is each variant's time over the einsum's. The packed
+variants are checked against the einsum first. With ``--compile`` each variant also reports inductor's
+count of the kernels its forward and backward launch and the bytes they move
+(``benchmarks/inductor_count.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/document_conv.py` finds timing
 
+from benchmarks.inductor_count import compiled_counts  # noqa: E402
 from benchmarks.timing import medians_ms  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.model.depthwise import document_depthwise_conv  # noqa: E402
@@ -76,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=bounded(int, min=1), default=20)
     parser.add_argument("--compile", action="store_true", help="each variant through torch.compile (inductor)")
     parser.add_argument("--threads", type=bounded(int, min=1), default=None)
+    parser.add_argument("--x-dtype", choices=("fp32", "bf16"), default=None,
+                        help="the conv's input (default: bf16 on CUDA, the paper configs' residual stream; fp32 on CPU)")
     args = parser.parse_args(argv)
     if args.kernel % 2 == 0:
         parser.error(f"--kernel {args.kernel}: the conv needs an odd kernel size (ConvBERT's is 9)")
@@ -85,31 +92,37 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     batch = args.batch or (128 if cuda else 8)
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(batch, args.seq, args.channels, device=device, generator=gen, requires_grad=True)
+    x_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.x_dtype or ("bf16" if cuda else "fp32")]
+    x = torch.randn(batch, args.seq, args.channels, device=device, generator=gen).to(x_dtype).requires_grad_()
     weight = torch.randn(args.channels, args.kernel, device=device, generator=gen, requires_grad=True)
     grad_out = torch.randn(batch, args.seq, args.channels, device=device, generator=gen)
     taps = same_segment_taps(three_documents_per_sample(batch, args.seq, device), args.kernel)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    mixed = cuda or x_dtype == torch.bfloat16  # bf16 x: the weight meets it under autocast, as in the model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed)
     # The Triton kernels on a GPU only (on CPU they would run in Triton's interpreter, which times nothing real).
     variants = {name: torch.compile(fn) if args.compile else fn for name, fn in VARIANTS.items()
                 if cuda or fn is not triton_kernels}
     with autocast:
+        counts = {name: compiled_counts(name, fwd_bwd(fn, x, weight, taps, grad_out))  # their first call compiles
+                  for name, fn in variants.items()} if args.compile else {}
         before = variants[BASELINE](x, weight, taps).float()
         worst = {name: ((variants[name](x, weight, taps).float() - before).abs().max() / before.abs().max()).item()
                  for name in variants if name not in (BASELINE, list(VARIANTS)[0])}
         times = medians_ms({name: fwd_bwd(fn, x, weight, taps, grad_out) for name, fn in variants.items()},
                            args.reps, cuda)
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"device={name} batch={batch} seq={args.seq} channels={args.channels} K={args.kernel} "
-          f"precision={'bf16 autocast' if cuda else 'fp32'} compile={'on' if args.compile else 'off'} "
+    print(f"device={name} batch={batch} seq={args.seq} channels={args.channels} K={args.kernel} x={x.dtype} "
+          f"precision={'bf16 autocast' if mixed else 'fp32'} compile={'on' if args.compile else 'off'} "
           f"threads={torch.get_num_threads()} reps={args.reps}")
     print("the packed variants against the einsum (largest difference over the largest output): "
           + ", ".join(f"{name} {diff:.1e}" for name, diff in worst.items()))
     # The fewest bytes forward and backward can move: read x, write out; read the gradient and x, write dx.
     least_bytes = 5 * x.numel() * x.element_size()
-    print(f"{'variant':<34}{'fwd+bwd (ms)':>14}{'/ einsum':>10}{'GB/s at the fewest bytes':>26}")
+    print(f"{'variant':<34}{'fwd+bwd (ms)':>14}{'/ einsum':>10}{'GB/s at the fewest bytes':>26}"
+          + (f"{'kernels':>9}{'MB moved':>10}" if counts else ""))
     for variant, ms in times.items():
-        print(f"{variant:<34}{ms:>14.3f}{ms / times[BASELINE]:>10.2f}{least_bytes / ms / 1e6:>26,.2f}")
+        print(f"{variant:<34}{ms:>14.3f}{ms / times[BASELINE]:>10.2f}{least_bytes / ms / 1e6:>26,.2f}"
+              + (f"{counts[variant]['kernels']:>9,}{counts[variant]['mb']:>10.1f}" if counts else ""))
 
 
 if __name__ == "__main__":

@@ -284,8 +284,9 @@ class Acceptance:
         run_dir = self.work / name
         code, _, output = self.run(name, [sys.executable, "-m", "convbert_ds.train",
                                          *self._train_args(spec, shards, run_dir, self.scale.steps)],
-                                   # compiling base: 65-150 s on an H100 or H200; autotuning: minutes more
-                                   limit_s=(330 if spec.autotune else 200) if spec.compile else 120,
+                                   # compiling base: 60-150 s on an H100 or H200 with warm caches, over 200 s
+                                   # on a fresh machine (the first row); autotuning: minutes more
+                                   limit_s=(360 if spec.autotune else 270) if spec.compile else 120,
                                    env=None if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"})
         try:
             rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]

@@ -5,38 +5,31 @@ Inputs are samples packed from three documents each (the trainer's default input
 - its median time over ``reps`` runs after warm-up (the variants take turns, ``benchmarks/timing.py``);
 - the ATen ops one forward + backward dispatches (about one kernel each on a GPU; counted eager, compiled or
   not);
-- with ``compile``, inductor's own count (``torch._inductor.metrics``) of its compiled forward and backward,
-  for the kernels it builds for this device: the kernels they launch, matmuls included; the bytes all of
-  them read and write (``MB moved``); and the bytes of the kernels it fuses itself (``MB fused``: the
-  elementwise and reduction work between the matmuls). On a GPU those are bound by the bytes they move, so
-  the count says on a CPU what a change does to them.
+- with ``compile``, inductor's own count of its compiled forward and backward (``inductor_count.py``): the
+  kernels they launch, the bytes all of them move (``MB moved``) and the bytes of the kernels it fuses
+  itself (``MB fused``).
 
 The outputs are checked against each other first.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the scripts run as `python benchmarks/X.py`
 
 from benchmarks.document_conv import three_documents_per_sample  # noqa: E402
+from benchmarks.inductor_count import compiled_counts  # noqa: E402
 from benchmarks.timing import medians_ms  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded  # noqa: E402
 from convbert_ds.config import PRESET_NAMES, ModelConfig  # noqa: E402
 from convbert_ds.model.layers import padding_masks  # noqa: E402
 from convbert_ds.model.op_count import OpCounter  # noqa: E402
-
-# The logger inductor checks before it counts a graph's bytes (torch._inductor.compile_fx's artifact logger).
-_INDUCTOR_METRICS_LOGGER = "torch._inductor.compile_fx.__inductor_metrics"
 
 
 @dataclass
@@ -58,28 +51,6 @@ def parse_arguments(doc: str, argv: list[str] | None):
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
-
-
-@contextlib.contextmanager
-def inductor_metrics_counted():
-    """Inside: inductor adds each graph it compiles to ``torch._inductor.metrics`` (reset on entry): the bytes
-    (``num_bytes_accessed``) and the kernels they are of (``nodes_num_elem``). It counts only when its metrics
-    logger is enabled (the logger's records are dropped here), and a graph from its on-disk caches brings
-    the total back but not the kernels, so the caches are off inside."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-    import torch._inductor.metrics as metrics
-
-    logger = logging.getLogger(_INDUCTOR_METRICS_LOGGER)
-    saved = logger.level, logger.propagate, list(logger.handlers)
-    logger.setLevel(logging.INFO)
-    logger.propagate, logger.handlers = False, [logging.NullHandler()]
-    metrics.reset()
-    try:
-        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
-            yield metrics
-    finally:
-        logger.level, logger.propagate, logger.handlers = saved[0], saved[1], saved[2]
 
 
 def compare(args, config: ModelConfig, variants: dict[str, Variant], autocast: bool) -> dict[str, dict[str, float]]:
@@ -117,17 +88,7 @@ def compare(args, config: ModelConfig, variants: dict[str, Variant], autocast: b
     for name, variant in variants.items():
         runs[name] = fwd_bwd(name, torch.compile(variant.layer) if compile else variant.layer)
         if compile:
-            with inductor_metrics_counted() as metrics:
-                runs[name]()  # compiles the forward and the backward
-            figures[name]["mb"] = metrics.num_bytes_accessed / 1e6
-            figures[name]["fused_mb"] = 4 * sum(quarter for node, quarter in metrics.nodes_num_elem  # bytes // 4
-                                                if not isinstance(node, ExternKernelSchedulerNode)) / 1e6
-            figures[name]["kernels"] = sum(not isinstance(node, NopKernelSchedulerNode)
-                                           for node, _ in metrics.nodes_num_elem)
-            if not figures[name]["kernels"]:
-                raise RuntimeError(f"inductor counted no kernel for {name!r}: this torch ({torch.__version__}) "
-                                   f"does not count through the logger {_INDUCTOR_METRICS_LOGGER!r} or compiled "
-                                   "from a cache; run without --compile, or update inductor_metrics_counted")
+            figures[name].update(compiled_counts(name, runs[name]))  # compiles its forward and backward
     for name, ms in medians_ms(runs, reps, cuda).items():
         figures[name]["ms"] = ms
     print(f"device={torch.cuda.get_device_name() if cuda else 'cpu'} preset={args.preset} layer (hidden "

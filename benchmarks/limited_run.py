@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -15,6 +16,10 @@ from pathlib import Path
 
 STACK_DUMP_S = 20  # what a stopped command gets to print its Python stacks before it is killed
 DRAIN_S = 10  # how long the output of a finished command is waited for, past its own exit
+# A stack's file names as a reader can place them on any machine: from the package (site-packages/...) or
+# from this project's root, without the directories this machine happens to keep them in.
+_PROJECT_ROOT = Path(__file__).resolve().parent.parent
+_MACHINE_PREFIX = re.compile(r'File "(?:[^"]*/site-packages/|' + re.escape(f"{_PROJECT_ROOT}/") + ")")
 
 
 def run_group(command: list[str], env: dict, limit_s: float, cwd: Path | None = None) -> tuple[int, str, str]:
@@ -95,7 +100,7 @@ def _signal_all(pids: list[int], sig: signal.Signals) -> None:
 def where_it_stopped(output: str, frames: int = 8) -> list[str]:
     """The innermost ``frames`` of the command's main thread's stack in its output once stopped by
     ``run_group`` (faulthandler's first "Current thread": the command dumps before the processes under it),
-    or []."""
+    or []; file names from the package or the project root on (results are read on other machines)."""
     start = output.find("Current thread ")
     if start < 0:
         return []
@@ -104,5 +109,5 @@ def where_it_stopped(output: str, frames: int = 8) -> list[str]:
     for line in lines[1:]:
         if not line.startswith("  File "):  # the end of this thread's stack
             break
-        stack.append(line.strip())
+        stack.append(_MACHINE_PREFIX.sub('File "', line.strip()))
     return lines[:1] + stack[:frames]

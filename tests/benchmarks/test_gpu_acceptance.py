@@ -114,6 +114,21 @@ def test_a_command_stopped_at_its_limit_says_where_it_was_and_leaves_nothing_run
     assert where_it_stopped("a command that finished\n") == []
 
 
+def test_a_stopped_commands_stack_names_files_from_the_package_or_the_project():
+    # Results are read on other machines: no directory of the machine that ran the command.
+    from benchmarks.limited_run import where_it_stopped
+
+    output = ("Current thread 0x1 (most recent call first):\n"
+              '  File "/any/env/lib/python3.12/site-packages/torch/autograd/graph.py", line 869 in _engine_run_backward\n'
+              f'  File "{REPO}/convbert_ds/model/step_capture.py", line 105 in gradients\n'
+              '  File "<frozen runpy>", line 88 in _run_code\n\n'
+              "Thread 0x2:\n")
+    assert where_it_stopped(output) == ["Current thread 0x1 (most recent call first):",
+                                        'File "torch/autograd/graph.py", line 869 in _engine_run_backward',
+                                        'File "convbert_ds/model/step_capture.py", line 105 in gradients',
+                                        'File "<frozen runpy>", line 88 in _run_code']
+
+
 def test_a_finished_command_is_not_held_by_what_it_left_running():
     # It exits 3 at once, leaving a process in a session of its own that holds its output for 15 s.
     from benchmarks.limited_run import DRAIN_S, run_group

@@ -45,6 +45,16 @@ def test_values_and_gradients_follow_the_definition():
     assert torch.autograd.gradcheck(lambda a, w: document_depthwise_conv(a, w, taps), (x, weight))
 
 
+def test_same_document_taps_are_symmetric():
+    """What the torch path's backward relies on: tap k of t is on exactly when tap K-1-k of t + k - P is."""
+    taps = same_segment_taps(packed_documents(), KERNEL)
+    pad, seq = KERNEL // 2, taps.shape[1]
+    for k in range(KERNEL):
+        t = torch.arange(max(0, pad - k), min(seq, seq + pad - k))  # both ends inside the sequence
+        assert torch.equal(taps[:, t, k], taps[:, t + k - pad, KERNEL - 1 - k]), k
+    assert taps.sum() < taps.numel() * 0.9  # the boundaries cut taps: the check above saw zeros too
+
+
 def test_one_document_is_torchs_depthwise_conv1d():
     """With one document per row the taps only cut at the ends: torch's ``same``-padded conv1d exactly."""
     x, weight, _ = inputs()

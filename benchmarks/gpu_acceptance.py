@@ -23,9 +23,10 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and
    without inductor's graph partitioning, the step captured by hand (``train.cuda_graphs: capture``), its
    layers unrolled or compiled once per width (``train.compile_layers_once``), inductor's max-autotune
-   (``train.compile_autotune``), the residual stream in bf16 (``model.overrides.residual_dtype=autocast``);
-   samples/s, tokens/s and MFU are the medians of the trainer's own ``metrics.jsonl`` after warm-up, with
-   the CUDA graphs the step recorded (the most telling runs first). The headline rows then profile 3 more
+   (``train.compile_autotune``), the residual stream in bf16 (``model.overrides.residual_dtype=autocast``),
+   dropout and sampling drawn by inductor (``train.compile_random=inductor``); samples/s, tokens/s and MFU
+   are the medians of the trainer's own ``metrics.jsonl`` after warm-up, with the CUDA graphs the step
+   recorded (the most telling runs first). The headline rows then profile 3 more
    steps (``train.profile``): the device's busy time against the wall time, the top kernels and host ops.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 7. ``layer_ops``: one layer's ops on their own at base's shape, eager and compiled:
@@ -228,7 +229,9 @@ class Acceptance:
                           f"`TORCHINDUCTOR_GRAPH_PARTITION=0`; capture: the step captured by hand "
                           f"(`train.cuda_graphs=capture`); layers once: one compiled layer per width "
                           f"(`train.compile_layers_once=true`); autotune: inductor's max-autotune "
-                          f"(`train.compile_autotune=true`); P, P residual: the residual stream in P as well "
+                          f"(`train.compile_autotune=true`); inductor random: dropout and sampling drawn in "
+                          f"inductor's kernels (`train.compile_random=inductor`); P, P residual: the residual "
+                          f"stream in P as well "
                           f"(`model.overrides.residual_dtype=autocast`).", "", *rows, *profiles])
 
     def _shards(self) -> Path:
@@ -264,7 +267,7 @@ class Acceptance:
                 f"train.precision={spec.precision}", f"train.compile={str(spec.compile).lower()}",
                 f"train.compile_mode={spec.compile_mode}", f"train.cuda_graphs={spec.cuda_graphs}",
                 f"train.compile_layers_once={str(spec.layers_once).lower()}",
-                f"train.compile_autotune={str(spec.autotune).lower()}",
+                f"train.compile_autotune={str(spec.autotune).lower()}", f"train.compile_random={spec.random}",
                 f"model.overrides.sdconv_impl={spec.sdconv}", f"model.overrides.residual_dtype={spec.residual}",
                 f"deepspeed.config=ds_configs/{spec.ds_config}.json",
                 f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
@@ -278,6 +281,7 @@ class Acceptance:
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{seq}_batch{batch}_"
                 f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
                 f"{'_autotune' if spec.autotune else ''}"
+                f"{'_inductor_random' if spec.random == 'inductor' else ''}"
                 f"{'' if spec.residual == 'fp32' else f'_{spec.residual}_residual'}"
                 f"{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")

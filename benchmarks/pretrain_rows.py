@@ -23,6 +23,7 @@ class PretrainRun:
     layers_once: bool = False  # train.compile_layers_once (step only): one compiled layer per width, reused
     autotune: bool = False  # train.compile_autotune (step only): inductor's max-autotune
     residual: str = "fp32"  # model.overrides.residual_dtype: "autocast" (the paper configs') keeps it in bf16
+    random: str = "eager"  # train.compile_random: "inductor" draws dropout and sampling in inductor's kernels
 
     @property
     def precision_label(self) -> str:
@@ -33,6 +34,7 @@ class PretrainRun:
         label = "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
         label = f"{label}, layers once" if self.layers_once else label
         label = f"{label}, autotune" if self.autotune else label
+        label = f"{label}, inductor random" if self.random == "inductor" else label
         label = label if self.graph_partition else f"{label}, no partition"
         return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
 
@@ -44,23 +46,26 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 # configs' path (the autocast file, the whole step compiled and captured by hand: what their cuda_graphs=auto
 # picks on one GPU; the residual stream in bf16, model.overrides.residual_dtype=autocast), at the acceptance's
 # batch of 128: base with sdconv_impl=auto as the configs run it (the packed conv through inductor when
-# compiled, model/depthwise.py), profiled: where the step's time goes, kernel by kernel; the same with the
-# Triton conv forced (the A/B of the conv); with the residual stream in fp32 as autocast leaves it (profiled:
-# the A/B of the bf16 stream, 3,119 against 3,265 samples/s on the 2026-11-27 H200 lease); with inductor's
-# max-autotune (profiled: what its matmul templates and fused epilogues change); base at configs/base.yaml's
-# own global batch of 256, which one GPU runs as one micro-batch; ZeRO-1's bf16 weights, captured (no autocast
-# casts, half the elementwise traffic; DeepSpeed's optimizer step outside the graphs); the paper path captured
-# eager, which starts in seconds; small; base at seq 512; each layer width compiled once
-# (train.compile_layers_once: the same samples/s on the H200, its gradients checked there). Then inductor's
-# CUDA graphs instead of the capture (profiled), and without inductor's graph partitioning (run only when the
-# partitioned step recorded no CUDA graph); eager (profiled); then what each other switch changes, one at a
-# time, with the residual stream autocast leaves (the rows of earlier leases).
+# compiled, model/depthwise.py), profiled: where the step's time goes, kernel by kernel; the same with
+# inductor drawing dropout and sampling in its fused kernels (train.compile_random=inductor, profiled: the 50
+# dropout kernels of their own, 0.8 ms a step on the 2026-11-27 H200, and the fusions they split); base at
+# configs/base.yaml's own global batch of 256, which one GPU runs as one micro-batch; the Triton conv forced
+# (the A/B of the conv); the residual stream in fp32 as autocast leaves it (the A/B of the bf16 stream:
+# 3,119 against 3,265 samples/s on that lease); inductor's max-autotune (profiled: what its matmul templates
+# and fused epilogues change); ZeRO-1's bf16 weights, captured (no autocast casts, half the elementwise
+# traffic; DeepSpeed's optimizer step outside the graphs); the paper path captured eager, which starts in
+# seconds; small; base at seq 512; each layer width compiled once (train.compile_layers_once: the same
+# samples/s on the H200, its gradients checked there). Then inductor's CUDA graphs instead of the capture
+# (profiled), and without inductor's graph partitioning (run only when the partitioned step recorded no CUDA
+# graph); eager (profiled); then what each other switch changes, one at a time, with the residual stream
+# autocast leaves (the rows of earlier leases).
 PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture", residual="autocast")
 GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
-            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),
-            PretrainRun("base", "bf16", "auto", True, "step", **{**PAPER_PATH, "residual": "fp32"}, profile=True),
-            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, autotune=True, profile=True),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, random="inductor", profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256),
+            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),
+            PretrainRun("base", "bf16", "auto", True, "step", **{**PAPER_PATH, "residual": "fp32"}),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, autotune=True, profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", cuda_graphs="capture"),
             PretrainRun("base", "bf16", "auto", False, **PAPER_PATH),
             PretrainRun("small", "bf16", "auto", True, "step", **PAPER_PATH),

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     compiled = cfg.train.compile_mode if cfg.train.compile else "off"
     if compiled == "step":
         compiled += "+layers_once" * cfg.train.compile_layers_once + "+autotune" * cfg.train.compile_autotune
+    if compiled != "off":
+        compiled += "+inductor_random" * (cfg.train.compile_random == "inductor")
     # train.cuda_graphs=auto says what it chose, and why when that is not a capture by hand.
     graphs = f"cuda_graphs={plan.cuda_graphs}" + (f" (auto: {plan.cuda_graphs_why} cannot be captured)"
                                                   if plan.cuda_graphs_why else "")

@@ -86,9 +86,9 @@ class Trainer:
             probe_triton_kernels(model, torch.device("cuda", torch.cuda.current_device()), dtype)
         if t.compile and t.compile_mode == "step":
             compile_step(model, cuda_graphs=self.graphs.trees, layers_once=t.compile_layers_once,
-                         autotune=t.compile_autotune)
+                         autotune=t.compile_autotune, eager_random=t.compile_random == "eager")
         elif t.compile:
-            compile_layers(model)
+            compile_layers(model, eager_random=t.compile_random == "eager")
         return model
 
     def _build_uncompiled_model(self):

@@ -162,6 +162,12 @@ class TrainSection:
         "timed as Triton templates (their elementwise epilogues fused in) against cuBLAS and every fused "
         "kernel's block sizes tuned; minutes more of compiling at the first step; off until a GPU shows it "
         "pays (benchmarks/gpu_acceptance.py)")] = False
+    compile_random: Annotated[Literal["eager", "inductor"], Key(
+        "with train.compile on: who draws dropout, masking and sampling inside compiled code: eager = torch's "
+        "generator, the same draws as eager (a compiled run follows the eager one; each dropout is an aten kernel "
+        "of its own); inductor = inductor's own Philox stream inside its fused kernels (other draws than eager's, "
+        "seeded from torch's generator, whose state checkpoints keep); eager until a GPU shows inductor pays "
+        "(benchmarks/gpu_acceptance.py)")] = "eager"
     cuda_graphs: Annotated[Literal["inductor", "capture", "auto", "off"], Key(
         "CUDA graphs on GPUs, so the host does not queue each kernel (nothing on CPU): inductor = inductor's "
         "CUDA-graph trees for train.compile_mode=step (reduce-overhead; inductor may decline, see cuda_graphs in "

@@ -312,7 +312,7 @@ def init_weights(module: nn.Module, std: float) -> None:
         module.reset(std)
 
 
-def compile_layers(model: nn.Module) -> int:
+def compile_layers(model: nn.Module, eager_random: bool = True) -> int:
     """Put every ``ConvBertLayer`` of ``model`` through ``torch.compile`` (inductor), in place; returns how many.
 
     The layer is the unit because it is where the fusable work is (GELU, LayerNorm, bias adds, softmax
@@ -321,11 +321,11 @@ def compile_layers(model: nn.Module) -> int:
     discriminator's width); ``nn.Module.compile`` keeps parameter names, so checkpoints do not change.
     Masking, Gumbel sampling and the losses stay eager: their data-dependent shapes (the masked
     positions) would recompile or break the graph every step. Shapes are static: batches are fixed-size.
+    ``eager_random``: as for ``compile_step``.
     """
-    _eager_random_stream()
     layers = [module for module in model.modules() if isinstance(module, ConvBertLayer)]
     for layer in layers:
-        layer.compile(dynamic=False)
+        layer.compile(dynamic=False, options=_random_stream(eager_random))
     return len(layers)
 
 
@@ -337,7 +337,8 @@ def probe_triton_kernels(model: nn.Module, device: torch.device | str, dtype: to
     return {**probe_sdconv(model, device, dtype), **probe_document_conv(model, device)}
 
 
-def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False, autotune: bool = False) -> None:
+def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False, autotune: bool = False,
+                 eager_random: bool = True) -> None:
     """Put the whole forward of ``model`` (the ELECTRA step: masking, both bodies, sampling, losses) through
     ``torch.compile`` as one graph, in place: ``fullgraph=True``, so a graph break is an error, not a silent
     return of the host to the loop; its backward is compiled with it (AOTAutograd). ``cuda_graphs`` (on CUDA
@@ -359,12 +360,18 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
     ``autotune``: inductor's max-autotune. On a GPU the step's time is in its matmuls and in the fused
     elementwise kernels around them (``benchmarks/RESULTS.md``, H200); this times Triton matmul templates,
     which can take those kernels in as epilogues, against cuBLAS, and tunes every fused kernel's block sizes,
-    for minutes more of compiling."""
-    _eager_random_stream()
+    for minutes more of compiling.
+
+    ``eager_random`` (the default): dropout, masking and Gumbel noise draw from torch's own generator, as in
+    eager: the same draws, so a compiled run follows the eager one (to rounding), and switching compile on
+    or off at a resume keeps the random stream. Each dropout is then a kernel of its own (aten's), between
+    inductor's fused kernels. Off, inductor draws them inside its fused kernels: its own Philox stream,
+    seeded from torch's generator (the same generator state, the same draws), other draws than eager's."""
     for body in model.modules():
         if hasattr(body, "layers_compiled_once"):
             body.layers_compiled_once = layers_once
-    options = {"triton.cudagraphs": cuda_graphs}  # what mode="reduce-overhead" sets, which options cannot join
+    options = {"triton.cudagraphs": cuda_graphs,  # what mode="reduce-overhead" sets, which options cannot join
+               **_random_stream(eager_random)}
     if layers_once:
         options["allow_buffer_reuse"] = False
     if autotune:
@@ -374,12 +381,10 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
     model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
 
 
-def _eager_random_stream() -> None:
-    # Dropout, masking and Gumbel noise draw from torch's own generator, as in eager: the same draws, so a
-    # compiled run follows the eager one (to rounding), and switching compile on or off at a resume keeps
-    # the random stream.
-    import torch._inductor.config as inductor_config  # here: importing inductor costs a second that eager runs skip
-    inductor_config.fallback_random = True
+def _random_stream(eager: bool) -> dict:
+    """Inductor's options for the random draws inside a compiled graph (``compile_step``'s ``eager_random``),
+    per compiled function: inductor's global config stays as it is."""
+    return {"fallback_random": eager}
 
 
 def compiled_graph_count() -> int:

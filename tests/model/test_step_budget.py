@@ -7,7 +7,10 @@ cluster run. ``python benchmarks/train_step.py`` prints the same counts for the 
 
 Measured (ConvBERT-base, batch 2 x 128, forward + backward, fp32): 5,000 ops (bf16 autocast) and 17 syncs
 before the static step; 3,557 ops and 0 syncs after it; 3,215 since each layer's input projections (query,
-key, value, the conv heads' values) are one matmul. The budgets leave ~5% for harmless change.
+key, value, the conv heads' values) are one matmul. Samples packed from three documents (the trainer's
+default input: block masks, the conv's per-position taps, which ``nn.Conv1d`` cannot take): 5,059 ops, and
+5,107 since the packed conv's input gradient is the conv of the gradient with reversed weights (a pad and a
+flip more per layer). The budgets leave ~5% for harmless change.
 """
 
 import pytest
@@ -18,6 +21,7 @@ from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.op_count import OpCounter
 
 BASE_FWD_BWD_OPS = 3380
+BASE_PACKED_FWD_BWD_OPS = 5360
 
 
 def _batch(config: ElectraConfig, batch: int, seq_len: int, seed: int = 0):
@@ -30,14 +34,22 @@ def _batch(config: ElectraConfig, batch: int, seq_len: int, seed: int = 0):
     return input_ids, attention_mask, torch.zeros_like(input_ids)
 
 
-def _count_step(preset: str, seq_len: int, autocast: bool) -> tuple[OpCounter, dict]:
+def _three_documents(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``document_ids`` of samples packed from three documents of about a third each (0 on padding)."""
+    positions = torch.arange(attention_mask.shape[1])
+    third = attention_mask.shape[1] // 3
+    return (1 + (positions >= third).long() + (positions >= 2 * third).long()) * attention_mask
+
+
+def _count_step(preset: str, seq_len: int, autocast: bool, packed: bool = False) -> tuple[OpCounter, dict]:
     torch.manual_seed(0)
     config = ElectraConfig.from_preset(preset, vocab_size=30522, max_position_embeddings=512)
     model = ElectraForPretraining(config)
     inputs = _batch(config, 2, seq_len)
+    documents = _three_documents(inputs[1]) if packed else None
     with OpCounter(where=True) as ops:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = model(*inputs, check=False)
+            out = model(*inputs, check=False, document_ids=documents)
         out.loss.backward()
     with OpCounter() as metric_ops:
         metrics = out.metric_tensors()
@@ -49,6 +61,12 @@ def test_base_step_has_no_sync_and_stays_under_its_op_budget():
     ops, _ = _count_step("base", 128, autocast=False)
     assert ops.syncs == 0, ops.sync_sites()
     assert ops.total <= BASE_FWD_BWD_OPS, ops.ops.most_common(15)
+
+
+def test_packed_base_step_has_no_sync_and_stays_under_its_op_budget():
+    ops, _ = _count_step("base", 128, autocast=False, packed=True)
+    assert ops.syncs == 0, ops.sync_sites()
+    assert ops.total <= BASE_PACKED_FWD_BWD_OPS, ops.ops.most_common(15)
 
 
 def test_autocast_step_has_no_sync():

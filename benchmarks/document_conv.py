@@ -1,7 +1,9 @@
 """The span-aware key's depthwise conv over packed documents: the Triton kernels the model uses on a GPU
 (``impl="triton"``, CUDA only) and its K shifted multiply-adds (``impl="torch"``,
 ``convbert_ds/model/depthwise.py``) against the unfold + einsum they replaced, with torch's depthwise
-``conv1d`` (one document per row: it cannot mask per position) beside them.
+``conv1d`` (one document per row: it cannot mask per position) and the torch path's form before it kept
+``x`` itself (a padded fp32 copy kept, the weights read with a stride of K; the last line is the A/B)
+beside them.
 
     python benchmarks/document_conv.py                  # CUDA: ConvBERT-base's shape under bf16 autocast; CPU: fp32
     python benchmarks/document_conv.py --compile        # each variant through torch.compile (the paper configs' path)
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 from benchmarks.inductor_count import compiled_counts  # noqa: E402
 from benchmarks.timing import medians_ms  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
-from convbert_ds.model.depthwise import document_depthwise_conv  # noqa: E402
+from convbert_ds.model.depthwise import _padded, _shifted_multiply_adds, document_depthwise_conv  # noqa: E402
 from convbert_ds.model.sdconv import same_segment_taps  # noqa: E402
 
 BASELINE = "unfold + einsum (before)"
@@ -60,8 +62,32 @@ def triton_kernels(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) ->
     return document_depthwise_conv(x, weight, taps, impl="triton")
 
 
+class _KeepsPaddedX(torch.autograd.Function):
+    """The torch path as it was before it kept ``x`` itself (2026-11-27): the forward keeps a padded fp32
+    copy of ``x`` for the weights' gradient (inductor's partitioner never recomputes a pad, so it writes that
+    copy), and every kernel reads the weights ``[C, K]`` with a stride of K across channels."""
+
+    @staticmethod
+    def forward(ctx, x, weight, taps):
+        padded, weight32, taps32 = _padded(x.float(), weight.shape[1]), weight.float(), taps.float()
+        ctx.save_for_backward(padded, weight32, taps32)
+        ctx.dtypes = x.dtype, weight.dtype
+        return _shifted_multiply_adds(padded, weight32.t(), taps32).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        padded, weight, taps = ctx.saved_tensors
+        kernel_size, seq_len, grad_out = weight.shape[1], grad_out.shape[1], grad_out.float()
+        grad_x = _shifted_multiply_adds(_padded(grad_out, kernel_size), weight.t().flip(0), taps)
+        grad_weight = torch.stack([(grad_out * taps[:, :, k, None] * padded[:, k:k + seq_len]).sum((0, 1))
+                                   for k in range(kernel_size)], dim=1)
+        return grad_x.to(ctx.dtypes[0]), grad_weight.to(ctx.dtypes[1]), None
+
+
 TORCH_PATH = "shifted multiply-adds (torch)"
+KEPT_PADDED = "torch, fp32 pad kept (before)"
 VARIANTS = {"conv1d, one document (no mask)": conv1d_one_document, BASELINE: unfold_einsum,
+            KEPT_PADDED: _KeepsPaddedX.apply,
             TORCH_PATH: document_depthwise_conv, "Triton kernels (impl=triton)": triton_kernels}
 
 
@@ -99,12 +125,15 @@ def main(argv: list[str] | None = None) -> None:
     taps = same_segment_taps(three_documents_per_sample(batch, args.seq, device), args.kernel)
     mixed = cuda or x_dtype == torch.bfloat16  # bf16 x: the weight meets it under autocast, as in the model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed)
+    # Inductor's C++ code for the einsum's backward with a bf16 x writes past its buffer (torch 2.13 on CPU:
+    # the process dies in malloc some calls later), so there the baseline runs eagerly, and says so.
+    eager = {BASELINE} if args.compile and not cuda and x_dtype == torch.bfloat16 else set()
     # The Triton kernels on a GPU only (on CPU they would run in Triton's interpreter, which times nothing real).
-    variants = {name: torch.compile(fn) if args.compile else fn for name, fn in VARIANTS.items()
-                if cuda or fn is not triton_kernels}
+    variants = {name: torch.compile(fn) if args.compile and name not in eager else fn
+                for name, fn in VARIANTS.items() if cuda or fn is not triton_kernels}
     with autocast:
         counts = {name: compiled_counts(name, fwd_bwd(fn, x, weight, taps, grad_out))  # their first call compiles
-                  for name, fn in variants.items()} if args.compile else {}
+                  for name, fn in variants.items() if name not in eager} if args.compile else {}
         before = variants[BASELINE](x, weight, taps).float()
         worst = {name: ((variants[name](x, weight, taps).float() - before).abs().max() / before.abs().max()).item()
                  for name in variants if name not in (BASELINE, list(VARIANTS)[0])}
@@ -121,8 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'variant':<34}{'fwd+bwd (ms)':>14}{'/ einsum':>10}{'GB/s at the fewest bytes':>26}"
           + (f"{'kernels':>9}{'MB moved':>10}" if counts else ""))
     for variant, ms in times.items():
-        print(f"{variant:<34}{ms:>14.3f}{ms / times[BASELINE]:>10.2f}{least_bytes / ms / 1e6:>26,.2f}"
-              + (f"{counts[variant]['kernels']:>9,}{counts[variant]['mb']:>10.1f}" if counts else ""))
+        counted = f"{counts[variant]['kernels']:>9,}{counts[variant]['mb']:>10.1f}" if variant in counts else \
+            f"{'eager':>9}" if counts else ""
+        print(f"{variant:<34}{ms:>14.3f}{ms / times[BASELINE]:>10.2f}{least_bytes / ms / 1e6:>26,.2f}{counted}")
+    print(f"torch path / its form before: {times[TORCH_PATH] / times[KEPT_PADDED]:.3f} (time)"
+          + (f", {counts[TORCH_PATH]['mb'] / counts[KEPT_PADDED]['mb']:.3f} (bytes)" if counts else ""))
 
 
 if __name__ == "__main__":

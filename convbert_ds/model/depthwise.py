@@ -89,7 +89,8 @@ def _shifted_multiply_adds(padded: torch.Tensor, weight_kc: torch.Tensor, taps: 
 
 class _DocumentDepthwiseConv(torch.autograd.Function):
     """What is kept and padded, and why (the maths is in the module docstring). The backward keeps ``x``
-    itself, which the layer's projections keep anyway, and pads only the output's gradient. Were it to pad
+    itself (with a bf16 residual stream, the tensor the layer's projections keep too) and pads only the
+    output's gradient. Were it to pad
     ``x``, the padded copy would be kept: inductor's partitioner never recomputes a pad (``constant_pad_nd``
     is not among the ops it may), so the forward wrote that copy, in fp32, and the backward read it back,
     twice a bf16 ``x``'s bytes each way. The gradient is padded in its own dtype and each tap's slice cast

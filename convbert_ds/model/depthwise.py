@@ -77,6 +77,13 @@ def _(weight):
     return weight.new_empty((weight.shape[1], weight.shape[0]))
 
 
+def _to_compute_dtype(padded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Eager, ``padded`` cast once, whole. Traced, as it is: ``_shifted_multiply_adds`` casts each tap's
+    slice where it reads it, so that inductor reads the tensor in its own dtype instead of writing an fp32
+    copy for its K readers."""
+    return padded if torch.compiler.is_compiling() else padded.to(dtype)
+
+
 def _shifted_multiply_adds(padded: torch.Tensor, weight_kc: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     """``out[b, t, c] = sum_k weight_kc[k, c] * taps[b, t, k] * padded[b, t + k, c]``, in ``weight_kc``'s
     dtype (``padded`` is cast as it is read)."""
@@ -90,11 +97,11 @@ def _shifted_multiply_adds(padded: torch.Tensor, weight_kc: torch.Tensor, taps: 
 class _DocumentDepthwiseConv(torch.autograd.Function):
     """What is kept and padded, and why (the maths is in the module docstring). The backward keeps ``x``
     itself (with a bf16 residual stream, the tensor the layer's projections keep too) and pads only the
-    output's gradient. Were it to pad
-    ``x``, the padded copy would be kept: inductor's partitioner never recomputes a pad (``constant_pad_nd``
-    is not among the ops it may), so the forward wrote that copy, in fp32, and the backward read it back,
-    twice a bf16 ``x``'s bytes each way. The gradient is padded in its own dtype and each tap's slice cast
-    as it is read, so a pad that inductor does write moves half the bytes of an fp32 one."""
+    output's gradient. Were it to pad ``x``, the padded copy would be kept: inductor's partitioner never
+    recomputes a pad (``constant_pad_nd`` is not among the ops it may), so the forward wrote that copy, in
+    fp32, and the backward read it back, twice a bf16 ``x``'s bytes each way. Traced, the gradient is padded
+    in its own dtype and each tap's slice cast as it is read (``_to_compute_dtype``), so a pad that inductor
+    does write moves half the bytes of an fp32 one."""
 
     @staticmethod
     def forward(ctx, x, weight, taps):
@@ -103,13 +110,14 @@ class _DocumentDepthwiseConv(torch.autograd.Function):
         weight_kc, taps_c = tap_major_weight(weight.to(compute_dtype)), taps.to(compute_dtype)
         ctx.save_for_backward(x, weight_kc, taps_c)
         ctx.weight_dtype = weight.dtype
-        return _shifted_multiply_adds(_padded(x, weight.shape[1]), weight_kc, taps_c).to(x.dtype)
+        padded = _to_compute_dtype(_padded(x, weight.shape[1]), compute_dtype)
+        return _shifted_multiply_adds(padded, weight_kc, taps_c).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight_kc, taps = ctx.saved_tensors
         kernel_size, seq_len = weight_kc.shape[0], grad_out.shape[1]
-        padded_grad = _padded(grad_out, kernel_size)
+        padded_grad = _to_compute_dtype(_padded(grad_out, kernel_size), weight_kc.dtype)
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:  # the same conv of the gradient, weights reversed (module docstring)
             grad_x = _shifted_multiply_adds(padded_grad, weight_kc.flip(0), taps).to(x.dtype)

@@ -41,36 +41,37 @@ class PretrainRun:
 
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
 
-# The most telling first (a 15-minute lease reaches the first three or four; compiling base's whole step takes
-# 60-150 s on an H200 with warm caches, over 200 s on a fresh machine). The issue's figures, on the paper
-# configs' path (the autocast file, the whole step compiled and captured by hand: what their cuda_graphs=auto
-# picks on one GPU; the residual stream in bf16, model.overrides.residual_dtype=autocast), at the acceptance's
-# batch of 128: base with sdconv_impl=auto as the configs run it (the packed conv through inductor when
-# compiled, model/depthwise.py), profiled: where the step's time goes, kernel by kernel; the same with
-# inductor drawing dropout and sampling in its fused kernels (train.compile_random=inductor, profiled: the 50
-# dropout kernels of their own, 0.8 ms a step on the 2026-11-27 H200, and the fusions they split); base at
-# configs/base.yaml's own global batch of 256, which one GPU runs as one micro-batch; the Triton conv forced
-# (the A/B of the conv); the residual stream in fp32 as autocast leaves it (the A/B of the bf16 stream:
-# 3,119 against 3,265 samples/s on that lease); inductor's max-autotune (profiled: what its matmul templates
-# and fused epilogues change); ZeRO-1's bf16 weights, captured (no autocast casts, half the elementwise
-# traffic; DeepSpeed's optimizer step outside the graphs); the paper path captured eager, which starts in
-# seconds; small; base at seq 512; each layer width compiled once (train.compile_layers_once: the same
-# samples/s on the H200, its gradients checked there). Then inductor's CUDA graphs instead of the capture
-# (profiled), and without inductor's graph partitioning (run only when the partitioned step recorded no CUDA
-# graph); eager (profiled); then what each other switch changes, one at a time, with the residual stream
-# autocast leaves (the rows of earlier leases).
+# The most telling first (a 15-minute lease reaches the first two or three; compiling base's whole step takes
+# 150-190 s on a fresh H200). The issue's figures, on the paper configs' path (the autocast file, the whole
+# step compiled and captured by hand: what their cuda_graphs=auto picks on one GPU; the residual stream in
+# bf16, model.overrides.residual_dtype=autocast), at the acceptance's batch of 128: base with sdconv_impl=auto
+# as the configs run it (the packed conv through inductor when compiled, model/depthwise.py), profiled: where
+# the step's time goes, kernel by kernel, and the baseline every other row of a lease is read against (leases
+# run on different machines); base at configs/base.yaml's own global batch of 256, which one GPU runs as one
+# micro-batch, profiled (the step's per-step costs, its 1,758 kernels under 10 us and the optimizer, spread
+# over twice the samples); inductor's max-autotune (profiled: what its matmul templates and fused epilogues
+# change: the GELUs and their backwards are 3.3 ms of the 2026-11-28 H200 step); small; base at seq 512; the
+# Triton conv forced (the A/B of the conv); the residual stream in fp32 as autocast leaves it (the A/B of the
+# bf16 stream: 3,119 against 3,265 samples/s on the 2026-11-27 H200); ZeRO-1's bf16 weights, captured (no
+# autocast casts, half the elementwise traffic; DeepSpeed's optimizer step outside the graphs); the paper
+# path captured eager, which starts in seconds; each layer width compiled once (train.compile_layers_once:
+# the same samples/s on the H200, its gradients checked there); inductor drawing dropout and sampling in its
+# fused kernels (train.compile_random=inductor: 0.974x the eager draws' samples/s on the 2026-11-28 H200,
+# profiled). Then inductor's CUDA graphs instead of the capture (profiled), and without inductor's graph
+# partitioning (run only when the partitioned step recorded no CUDA graph); eager (profiled); then what each
+# other switch changes, one at a time, with the residual stream autocast leaves (the rows of earlier leases).
 PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture", residual="autocast")
 GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
-            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, random="inductor", profile=True),
-            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256),
-            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),
-            PretrainRun("base", "bf16", "auto", True, "step", **{**PAPER_PATH, "residual": "fp32"}),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, autotune=True, profile=True),
-            PretrainRun("base", "bf16", "auto", True, "step", cuda_graphs="capture"),
-            PretrainRun("base", "bf16", "auto", False, **PAPER_PATH),
             PretrainRun("small", "bf16", "auto", True, "step", **PAPER_PATH),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, seq=512),
+            PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),
+            PretrainRun("base", "bf16", "auto", True, "step", **{**PAPER_PATH, "residual": "fp32"}),
+            PretrainRun("base", "bf16", "auto", True, "step", cuda_graphs="capture"),
+            PretrainRun("base", "bf16", "auto", False, **PAPER_PATH),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, layers_once=True),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, random="inductor", profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False),
             PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, profile=True),

@@ -8,7 +8,8 @@ What each kind writes, per rank, under ``log.dir/profile/``:
   Each step is a ``train step N`` range in it. Beside it, ``summary_rank{R}.txt``: the window's wall time
   per step against the device's busy time, the kernels and host ops that took the most, and the
   device's time by kind of kernel (matmuls, inductor's fused kernels, SDConv, copies and casts, the
-  optimizer...; ``device_time_summary``); rank 0 also prints it, so a run says whether it is bound by the host or the
+  optimizer...; inductor's split further by the part of the layer each fuses: the packed conv, GELU,
+  LayerNorm and dropout; ``device_time_summary``); rank 0 also prints it, so a run says whether it is bound by the host or the
   device without opening a trace. ``python benchmarks/trace_summary.py TRACE --top N`` prints the same
   summary from a trace file later, on any machine, as long as you like (``trace_file_events``).
 - ``memory``: a CUDA memory snapshot (every allocation of the window with its stack),
@@ -131,11 +132,27 @@ KERNEL_KINDS = (
     ("collectives", ("nccl",)),
 )
 SHORT_KERNEL_US = 10.0  # kernels this short on average are bound by their launch and tail, not their work
+FUSED = KERNEL_KINDS[0][0]
+# Inductor names each fused kernel for the ops inside it, so its kernels split further by the layer's part
+# they come from. The first part that matches: a kernel fusing the conv's backward with a LayerNorm's counts
+# as the conv's. The packed conv's shifted multiply-adds (model/depthwise.py) trace to tap slices and
+# addcmul, and its backward pads the gradient; in the H200 profiles of the base step nothing else did.
+FUSED_PARTS = (
+    ("the packed conv", ("addcmul", "constant_pad_nd", "select_slice")),
+    ("GELU and its backward", ("gelu",)),
+    ("LayerNorm, dropout, residual adds", ("layer_norm", "dropout")),
+)
 
 
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
     return next((kind for kind, marks in KERNEL_KINDS if any(m in lowered for m in marks)), "other")
+
+
+def fused_part(name: str) -> str:
+    """Which part of the layer one of inductor's fused kernels comes from, by its name."""
+    lowered = name.lower()
+    return next((part for part, marks in FUSED_PARTS if any(m in lowered for m in marks)), "the rest")
 
 
 def _by_kind(on_device: list, steps: int, busy_us: float) -> list[str]:
@@ -148,9 +165,19 @@ def _by_kind(on_device: list, steps: int, busy_us: float) -> list[str]:
         totals[1] += e.count
         if e.self_device_time_total < SHORT_KERNEL_US * e.count:
             short_us, short_count = short_us + e.self_device_time_total, short_count + e.count
+    parts: dict[str, list[float]] = {}
+    for e in on_device:
+        if kernel_kind(e.key) == FUSED:
+            totals = parts.setdefault(fused_part(e.key), [0.0, 0])
+            totals[0] += e.self_device_time_total
+            totals[1] += e.count
     lines = ["  by kind of kernel:"]
     for kind, (us, count) in sorted(kinds.items(), key=lambda item: item[1][0], reverse=True):
         lines.append(f"  {us / max(busy_us, 1):6.1%} {us / 1e3 / steps:8.2f} ms/step x{count // steps:<5} {kind}")
+        if kind == FUSED:
+            for part, (part_us, part_count) in sorted(parts.items(), key=lambda item: item[1][0], reverse=True):
+                lines.append(f"  {part_us / max(busy_us, 1):8.1%} {part_us / 1e3 / steps:8.2f} ms/step "
+                             f"x{part_count // steps:<5}   of which {part}")
     share = short_us / max(busy_us, 1)
     lines.append(f"  {share:6.1%} {short_us / 1e3 / steps:8.2f} ms/step x{short_count // steps:<5} "
                  f"of those in kernels under {SHORT_KERNEL_US:.0f} us on average")

@@ -153,3 +153,46 @@ def test_kernels_are_sorted_by_kind(name, kind):
     from convbert_ds.engine.profiling import kernel_kind
 
     assert kernel_kind(name) == kind
+
+
+@pytest.mark.parametrize("name,part", [  # inductor's kernel names from the 2026-11-28 H200 profile (RESULTS.md)
+    ("triton_red_fused__to_copy_constant_pad_nd_mul_select_slice_sum_unsqueeze_view_68", "the packed conv"),
+    ("triton_poi_fused__to_copy_addcmul_constant_pad_nd_mul_select_slice_unsqueeze_55", "the packed conv"),
+    ("triton_red_fused__to_copy_add_addcmul_constant_pad_nd_mul_native_dropout_backward_native_layer_norm_"
+     "native_layer_norm_backward_select_slice_unsqueeze_", "the packed conv"),  # fused with a LayerNorm's backward
+    ("triton_red_fused__to_copy_mul_select_slice_sum_unsqueeze_view_66", "the packed conv"),  # its form before
+    ("triton_poi_fused_gelu_gelu_backward_view_55", "GELU and its backward"),
+    ("triton_red_fused_gelu_gelu_backward_sum_view_29", "GELU and its backward"),
+    ("triton_per_fused__to_copy_add_native_dropout_native_layer_norm_view_50", "LayerNorm, dropout, residual adds"),
+    ("triton_red_fused_native_dropout_backward_sum_view_24", "LayerNorm, dropout, residual adds"),
+    ("triton_red_fused__to_copy__unsafe_view_add_cat_mul_select_sum_transpose_view_62", "the rest"),
+    ("triton_poi_fused__to_copy_39", "the rest"),
+])
+def test_inductor_kernels_are_split_by_the_part_they_fuse(name, part):
+    from convbert_ds.engine.profiling import fused_part, kernel_kind
+
+    assert kernel_kind(name) == "inductor's fused kernels"
+    assert fused_part(name) == part
+
+
+def test_the_summary_splits_inductor_kernels_by_part(tmp_path):
+    """Under inductor's fused kernels, the summary says how much of their time each part of the layer took."""
+    from convbert_ds.engine.profiling import STEP_RANGE, device_time_summary, trace_file_events
+
+    def event(category, name, start_ms, end_ms, tid):
+        return {"ph": "X", "cat": category, "name": name, "ts": start_ms * 1000, "dur": (end_ms - start_ms) * 1000,
+                "pid": 0, "tid": tid}
+
+    events = [event("user_annotation", f"{STEP_RANGE}1", 0, 100, tid=1),
+              event("kernel", "triton_poi_fused_gelu_gelu_backward_view_55", 0, 30, tid=7),
+              event("kernel", "triton_poi_fused__to_copy_addcmul_constant_pad_nd_mul_select_slice_unsqueeze_55", 30, 40,
+                    tid=7),
+              event("kernel", "triton_poi_fused__to_copy_39", 40, 45, tid=7),
+              event("kernel", "gemm_kernel", 45, 95, tid=7)]
+    (tmp_path / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    lines = device_time_summary(*trace_file_events(tmp_path / "rank0.pt.trace.json"))
+    fused = lines.index("  by kind of kernel:") + 2  # matmuls first (50 ms), then inductor's (45 ms)
+    assert lines[fused].split()[-3:] == ["inductor's", "fused", "kernels"]
+    assert [line.split("of which ")[1] for line in lines[fused + 1:fused + 4]] == [
+        "GELU and its backward", "the packed conv", "the rest"]
+    assert lines[fused + 1].split()[1:3] == ["30.00", "ms/step"]

@@ -50,7 +50,7 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 # run on different machines); base at configs/base.yaml's own global batch of 256, which one GPU runs as one
 # micro-batch, profiled (the step's per-step costs, its 1,758 kernels under 10 us and the optimizer, spread
 # over twice the samples); inductor's max-autotune (profiled: what its matmul templates and fused epilogues
-# change: the GELUs and their backwards are 3.3 ms of the 2026-11-28 H200 step); small; base at seq 512; the
+# change: the GELUs and their backwards are 3.5 ms of the 2026-11-28 H200 step); small; base at seq 512; the
 # Triton conv forced (the A/B of the conv); the residual stream in fp32 as autocast leaves it (the A/B of the
 # bf16 stream: 3,119 against 3,265 samples/s on the 2026-11-27 H200); ZeRO-1's bf16 weights, captured (no
 # autocast casts, half the elementwise traffic; DeepSpeed's optimizer step outside the graphs); the paper

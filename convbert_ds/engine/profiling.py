@@ -9,8 +9,8 @@ What each kind writes, per rank, under ``log.dir/profile/``:
   per step against the device's busy time, the kernels and host ops that took the most, and the
   device's time by kind of kernel (matmuls, inductor's fused kernels, SDConv, copies and casts, the
   optimizer...; inductor's split further by the part of the layer each fuses: the packed conv, GELU,
-  LayerNorm and dropout; ``device_time_summary``); rank 0 also prints it, so a run says whether it is bound by the host or the
-  device without opening a trace. ``python benchmarks/trace_summary.py TRACE --top N`` prints the same
+  LayerNorm and dropout; ``device_time_summary``); rank 0 also prints it, so a run says whether it is
+  bound by the host or the device without opening a trace. ``python benchmarks/trace_summary.py TRACE --top N`` prints the same
   summary from a trace file later, on any machine, as long as you like (``trace_file_events``).
 - ``memory``: a CUDA memory snapshot (every allocation of the window with its stack),
   ``memory_rank{R}.pickle``, for https://pytorch.org/memory_viz.
@@ -158,19 +158,16 @@ def fused_part(name: str) -> str:
 def _by_kind(on_device: list, steps: int, busy_us: float) -> list[str]:
     """The device's time per step by kind of kernel, and how much of it went to short kernels."""
     kinds: dict[str, list[float]] = {}
+    parts: dict[str, list[float]] = {}  # inductor's fused kernels by the layer's part
     short_us, short_count = 0.0, 0
     for e in on_device:
-        totals = kinds.setdefault(kernel_kind(e.key), [0.0, 0])
-        totals[0] += e.self_device_time_total
-        totals[1] += e.count
-        if e.self_device_time_total < SHORT_KERNEL_US * e.count:
-            short_us, short_count = short_us + e.self_device_time_total, short_count + e.count
-    parts: dict[str, list[float]] = {}
-    for e in on_device:
-        if kernel_kind(e.key) == FUSED:
-            totals = parts.setdefault(fused_part(e.key), [0.0, 0])
+        kind = kernel_kind(e.key)
+        for totals in [kinds.setdefault(kind, [0.0, 0])] + ([parts.setdefault(fused_part(e.key), [0.0, 0])]
+                                                              if kind == FUSED else []):
             totals[0] += e.self_device_time_total
             totals[1] += e.count
+        if e.self_device_time_total < SHORT_KERNEL_US * e.count:
+            short_us, short_count = short_us + e.self_device_time_total, short_count + e.count
     lines = ["  by kind of kernel:"]
     for kind, (us, count) in sorted(kinds.items(), key=lambda item: item[1][0], reverse=True):
         lines.append(f"  {us / max(busy_us, 1):6.1%} {us / 1e3 / steps:8.2f} ms/step x{count // steps:<5} {kind}")

@@ -90,6 +90,12 @@ def test_the_device_summary_counts_kernels_once_and_not_the_ranges_mirrored_on_t
         ["0.00", "ms/step", "x0", "of those in kernels under 10 us on average"]]
 
 
+def _trace_event(category, name, start_ms, end_ms, tid):
+    """One complete event of a trace as torch's profiler writes it (Chrome's trace format)."""
+    return {"ph": "X", "cat": category, "name": name, "ts": start_ms * 1000, "dur": (end_ms - start_ms) * 1000,
+            "pid": 0, "tid": tid}
+
+
 def test_a_trace_file_read_back_gives_the_summary(tmp_path):
     """``trace_file_events`` over a trace as torch's profiler writes it (Chrome's format, gzip-compressed):
     the same timeline as above, its ranges mirrored on the device, the host's ops nested in its steps."""
@@ -98,19 +104,15 @@ def test_a_trace_file_read_back_gives_the_summary(tmp_path):
     from convbert_ds.engine.profiling import STEP_RANGE, device_time_summary, trace_file_events
     from convbert_ds.errors import UserError
 
-    def event(category, name, start_ms, end_ms, tid):
-        return {"ph": "X", "cat": category, "name": name, "ts": start_ms * 1000, "dur": (end_ms - start_ms) * 1000,
-                "pid": 0, "tid": tid}
-
     events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "python"}}]
     for step in range(2):  # steps of 100 ms: a 30 ms GEMM, a 10 ms copy, and the host op launching them
         t = 100 * step
-        events += [event("user_annotation", f"{STEP_RANGE}{step + 1}", t, t + 90, tid=1),
-                   event("gpu_user_annotation", f"{STEP_RANGE}{step + 1}", t, t + 90, tid=7),
-                   event("user_annotation", "Optimizer.step#AdamW.step", t + 60, t + 90, tid=1),
-                   event("kernel", "gemm_kernel", t, t + 30, tid=7),
-                   event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", t + 60, t + 70, tid=7),
-                   event("cpu_op", "aten::mm", t, t + 20, tid=1)]
+        events += [_trace_event("user_annotation", f"{STEP_RANGE}{step + 1}", t, t + 90, tid=1),
+                   _trace_event("gpu_user_annotation", f"{STEP_RANGE}{step + 1}", t, t + 90, tid=7),
+                   _trace_event("user_annotation", "Optimizer.step#AdamW.step", t + 60, t + 90, tid=1),
+                   _trace_event("kernel", "gemm_kernel", t, t + 30, tid=7),
+                   _trace_event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", t + 60, t + 70, tid=7),
+                   _trace_event("cpu_op", "aten::mm", t, t + 20, tid=1)]
     trace = tmp_path / "rank0.pt.trace.json.gz"
     with gzip.open(trace, "wt") as file:
         json.dump({"traceEvents": events}, file)
@@ -179,16 +181,12 @@ def test_the_summary_splits_inductor_kernels_by_part(tmp_path):
     """Under inductor's fused kernels, the summary says how much of their time each part of the layer took."""
     from convbert_ds.engine.profiling import STEP_RANGE, device_time_summary, trace_file_events
 
-    def event(category, name, start_ms, end_ms, tid):
-        return {"ph": "X", "cat": category, "name": name, "ts": start_ms * 1000, "dur": (end_ms - start_ms) * 1000,
-                "pid": 0, "tid": tid}
-
-    events = [event("user_annotation", f"{STEP_RANGE}1", 0, 100, tid=1),
-              event("kernel", "triton_poi_fused_gelu_gelu_backward_view_55", 0, 30, tid=7),
-              event("kernel", "triton_poi_fused__to_copy_addcmul_constant_pad_nd_mul_select_slice_unsqueeze_55", 30, 40,
-                    tid=7),
-              event("kernel", "triton_poi_fused__to_copy_39", 40, 45, tid=7),
-              event("kernel", "gemm_kernel", 45, 95, tid=7)]
+    conv = "triton_poi_fused__to_copy_addcmul_constant_pad_nd_mul_select_slice_unsqueeze_55"
+    events = [_trace_event("user_annotation", f"{STEP_RANGE}1", 0, 100, tid=1),
+              _trace_event("kernel", "triton_poi_fused_gelu_gelu_backward_view_55", 0, 30, tid=7),
+              _trace_event("kernel", conv, 30, 40, tid=7),
+              _trace_event("kernel", "triton_poi_fused__to_copy_39", 40, 45, tid=7),
+              _trace_event("kernel", "gemm_kernel", 45, 95, tid=7)]
     (tmp_path / "rank0.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
     lines = device_time_summary(*trace_file_events(tmp_path / "rank0.pt.trace.json"))
     fused = lines.index("  by kind of kernel:") + 2  # matmuls first (50 ms), then inductor's (45 ms)

@@ -7,11 +7,12 @@ What each kind writes, per rank, under ``log.dir/profile/``:
   (``tensorboard --logdir log.dir/profile``), and Chrome's ``chrome://tracing`` or Perfetto open the file.
   Each step is a ``train step N`` range in it. Beside it, ``summary_rank{R}.txt``: the window's wall time
   per step against the device's busy time, the kernels and host ops that took the most, and the
-  device's time by kind of kernel (matmuls, inductor's fused kernels, SDConv, copies and casts, the
-  optimizer...; inductor's split further by the part of the layer each fuses: the packed conv, GELU,
-  LayerNorm and dropout; ``device_time_summary``); rank 0 also prints it, so a run says whether it is
-  bound by the host or the device without opening a trace. ``python benchmarks/trace_summary.py TRACE --top N`` prints the same
-  summary from a trace file later, on any machine, as long as you like (``trace_file_events``).
+  device's time by kind of kernel (matmuls, inductor's fused kernels, SDConv, attention, torch's dropout
+  kernels, copies and casts, the optimizer...; inductor's split further by the part of the layer each
+  fuses: the packed conv, GELU, LayerNorm and dropout; ``device_time_summary``); rank 0 also prints it,
+  so a run says whether it is bound by the host or the device without opening a trace.
+  ``python benchmarks/trace_summary.py TRACE --top N`` prints the same summary from a trace file later,
+  on any machine, as long as you like (``trace_file_events``).
 - ``memory``: a CUDA memory snapshot (every allocation of the window with its stack),
   ``memory_rank{R}.pickle``, for https://pytorch.org/memory_viz.
 - ``nvtx``: NVTX ranges for Nsight Systems, one per step (``train step N``) and one per op inside it;
@@ -125,7 +126,10 @@ KERNEL_KINDS = (
     ("inductor's fused kernels", ("triton_",)),  # inductor names its kernels triton_{poi,red,per}_...
     ("our Triton kernels (SDConv, packed conv)", ("_sdconv_", "_document_conv_")),
     ("matmuls (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")),
-    ("attention", ("flash", "fmha", "attention")),
+    # cuDNN's attention runs helper kernels of its own beside its flash kernels: the backward's dot(dO, O), its
+    # dQ's cast, the unpacking of its dropout seed.
+    ("attention", ("flash", "fmha", "attention", "cudnn::fusion", "unpack_cudnn")),
+    ("dropout (torch's kernels)", ("dropout",)),  # inductor's draws are in its own kinds (train.compile_random)
     ("optimizer and clipping (multi-tensor)", ("multi_tensor", "adam")),
     ("copies, casts and fills", ("memcpy", "memset", "copy", "fill")),
     ("eager elementwise, norms, reductions", ("elementwise", "reduce_kernel", "norm", "gammabeta", "softmax")),

@@ -150,6 +150,14 @@ def test_a_trace_file_read_back_gives_the_summary(tmp_path):
      "optimizer and clipping (multi-tensor)"),
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "collectives"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits", "attention"),
+    # from the 2026-11-28 H200 profile of the captured base step
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*, void*, void*, unsig",
+     "attention"),
+    ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int, unsigned int", "attention"),
+    ("at::cuda::philox::unpack_cudnn(at::PhiloxCudaState, long*, long*)", "attention"),
+    ("void at::native::(anonymous namespace)::fused_dropout_kernel_vec<c10::BFloat16, float, unsigned int, 1, 8, bool>",
+     "dropout (torch's kernels)"),
+    ("triton_per_fused__to_copy_add_native_dropout_native_layer_norm_view_50", "inductor's fused kernels"),
 ])
 def test_kernels_are_sorted_by_kind(name, kind):
     from convbert_ds.engine.profiling import kernel_kind

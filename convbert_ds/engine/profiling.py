@@ -122,8 +122,9 @@ def _synchronized_clock() -> float:
 
 # What a kernel is, from its name (lower-cased substrings; the first kind that matches), for the summary's
 # breakdown of the device's time: which kind of work a cut must come from.
+FUSED = "inductor's fused kernels"
 KERNEL_KINDS = (
-    ("inductor's fused kernels", ("triton_",)),  # inductor names its kernels triton_{poi,red,per}_...
+    (FUSED, ("triton_",)),  # inductor names its kernels triton_{poi,red,per}_...
     ("our Triton kernels (SDConv, packed conv)", ("_sdconv_", "_document_conv_")),
     ("matmuls (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")),
     # cuDNN's attention runs helper kernels of its own beside its flash kernels: the backward's dot(dO, O), its
@@ -136,7 +137,6 @@ KERNEL_KINDS = (
     ("collectives", ("nccl",)),
 )
 SHORT_KERNEL_US = 10.0  # kernels this short on average are bound by their launch and tail, not their work
-FUSED = KERNEL_KINDS[0][0]
 # Inductor names each fused kernel for the ops inside it, so its kernels split further by the layer's part
 # they come from. The first part that matches: a kernel fusing the conv's backward with a LayerNorm's counts
 # as the conv's. The packed conv's shifted multiply-adds (model/depthwise.py) trace to tap slices and
@@ -163,26 +163,35 @@ def _by_kind(on_device: list, steps: int, busy_us: float) -> list[str]:
     """The device's time per step by kind of kernel, and how much of it went to short kernels."""
     kinds: dict[str, list[float]] = {}
     parts: dict[str, list[float]] = {}  # inductor's fused kernels by the layer's part
-    short_us, short_count = 0.0, 0
+    short = [0.0, 0]
     for e in on_device:
         kind = kernel_kind(e.key)
-        for totals in [kinds.setdefault(kind, [0.0, 0])] + ([parts.setdefault(fused_part(e.key), [0.0, 0])]
-                                                              if kind == FUSED else []):
-            totals[0] += e.self_device_time_total
-            totals[1] += e.count
-        if e.self_device_time_total < SHORT_KERNEL_US * e.count:
-            short_us, short_count = short_us + e.self_device_time_total, short_count + e.count
-    lines = ["  by kind of kernel:"]
-    for kind, (us, count) in sorted(kinds.items(), key=lambda item: item[1][0], reverse=True):
-        lines.append(f"  {us / max(busy_us, 1):6.1%} {us / 1e3 / steps:8.2f} ms/step x{count // steps:<5} {kind}")
+        _add(kinds.setdefault(kind, [0.0, 0]), e)
         if kind == FUSED:
-            for part, (part_us, part_count) in sorted(parts.items(), key=lambda item: item[1][0], reverse=True):
-                lines.append(f"  {part_us / max(busy_us, 1):8.1%} {part_us / 1e3 / steps:8.2f} ms/step "
-                             f"x{part_count // steps:<5}   of which {part}")
-    share = short_us / max(busy_us, 1)
-    lines.append(f"  {share:6.1%} {short_us / 1e3 / steps:8.2f} ms/step x{short_count // steps:<5} "
-                 f"of those in kernels under {SHORT_KERNEL_US:.0f} us on average")
+            _add(parts.setdefault(fused_part(e.key), [0.0, 0]), e)
+        if e.self_device_time_total < SHORT_KERNEL_US * e.count:
+            _add(short, e)
+
+    def row(totals: list[float], label: str, width: int = 6) -> str:
+        us, count = totals
+        return f"  {us / max(busy_us, 1):{width}.1%} {us / 1e3 / steps:8.2f} ms/step x{count // steps:<5} {label}"
+
+    def largest_first(totals: dict[str, list[float]]) -> list[tuple[str, list[float]]]:
+        return sorted(totals.items(), key=lambda item: item[1][0], reverse=True)
+
+    lines = ["  by kind of kernel:"]
+    for kind, totals in largest_first(kinds):
+        lines.append(row(totals, kind))
+        if kind == FUSED:
+            lines += [row(part_totals, f"  of which {part}", width=8) for part, part_totals in largest_first(parts)]
+    lines.append(row(short, f"of those in kernels under {SHORT_KERNEL_US:.0f} us on average"))
     return lines
+
+
+def _add(totals: list[float], event) -> None:
+    """Add one profiler row's device time and launch count to ``totals`` (``[us, count]``)."""
+    totals[0] += event.self_device_time_total
+    totals[1] += event.count
 
 
 def device_time_summary(profile, steps: int, wall_s: float, top: int = 12) -> list[str]:

@@ -10,7 +10,8 @@ before the static step; 3,557 ops and 0 syncs after it; 3,215 since each layer's
 key, value, the conv heads' values) are one matmul. Samples packed from three documents (the trainer's
 default input: block masks, the conv's per-position taps, which ``nn.Conv1d`` cannot take): 5,059 ops, and
 5,107 since the packed conv's input gradient is the conv of the gradient with reversed weights (a pad and a
-flip more per layer), 5,131 since it copies its weights tap-major (one op more per layer). The budgets leave ~5% for harmless change.
+flip more per layer), 5,131 since it copies its weights tap-major (one op more per layer). The budgets leave
+~5% for harmless change.
 """
 
 import pytest

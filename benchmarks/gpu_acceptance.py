@@ -228,9 +228,10 @@ class Acceptance:
                           f"when it runs kernel by kernel, A -> B when it re-records); no partition: "
                           f"`TORCHINDUCTOR_GRAPH_PARTITION=0`; capture: the step captured by hand "
                           f"(`train.cuda_graphs=capture`); layers once: one compiled layer per width "
-                          f"(`train.compile_layers_once=true`); autotune: inductor's max-autotune "
-                          f"(`train.compile_autotune=true`); inductor random: dropout and sampling drawn in "
-                          f"inductor's kernels (`train.compile_random=inductor`); P, P residual: the residual "
+                          f"(`train.compile_layers_once=true`); tuned kernels: the block sizes of inductor's "
+                          f"fused kernels tuned (`train.compile_autotune=kernels`); autotune: inductor's "
+                          f"max-autotune (`train.compile_autotune=true`); inductor random: dropout and sampling "
+                          f"drawn in inductor's kernels (`train.compile_random=inductor`); P, P residual: the residual "
                           f"stream in P as well "
                           f"(`model.overrides.residual_dtype=autocast`).", "", *rows, *profiles])
 
@@ -280,7 +281,7 @@ class Acceptance:
         seq, batch = self._shape(spec)
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{seq}_batch{batch}_"
                 f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
-                f"{'_autotune' if spec.autotune else ''}"
+                f"{'' if not spec.autotune else '_autotune' if spec.autotune is True else '_tuned_kernels'}"
                 f"{'_inductor_random' if spec.random == 'inductor' else ''}"
                 f"{'' if spec.residual == 'fp32' else f'_{spec.residual}_residual'}"
                 f"{'' if spec.graph_partition else '_no_partition'}"

@@ -21,7 +21,8 @@ class PretrainRun:
     cuda_graphs: str = "inductor"  # train.cuda_graphs: inductor, capture (by hand) or off
     profile: bool = False  # after the timed steps, gpu_acceptance.PROFILED_STEPS more, profiled (not in the medians)
     layers_once: bool = False  # train.compile_layers_once (step only): one compiled layer per width, reused
-    autotune: bool = False  # train.compile_autotune (step only): inductor's max-autotune
+    autotune: bool | str = False  # train.compile_autotune (step only): "kernels" tunes the fused kernels, True
+    # is inductor's max-autotune
     residual: str = "fp32"  # model.overrides.residual_dtype: "autocast" (the paper configs') keeps it in bf16
     random: str = "eager"  # train.compile_random: "inductor" draws dropout and sampling in inductor's kernels
 
@@ -33,7 +34,7 @@ class PretrainRun:
     def compile_label(self) -> str:
         label = "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
         label = f"{label}, layers once" if self.layers_once else label
-        label = f"{label}, autotune" if self.autotune else label
+        label = f"{label}, {'autotune' if self.autotune is True else 'tuned kernels'}" if self.autotune else label
         label = f"{label}, inductor random" if self.random == "inductor" else label
         label = label if self.graph_partition else f"{label}, no partition"
         return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
@@ -42,17 +43,20 @@ class PretrainRun:
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
 
 # The most telling first (a 15-minute lease reaches the first two or three; compiling base's whole step takes
-# 150-190 s on a fresh H200). The issue's figures, on the paper configs' path (the autocast file, the whole
+# 120-190 s on a fresh H200). The issue's figures, on the paper configs' path (the autocast file, the whole
 # step compiled and captured by hand: what their cuda_graphs=auto picks on one GPU; the residual stream in
-# bf16, model.overrides.residual_dtype=autocast), at the acceptance's batch of 128: base with sdconv_impl=auto
-# as the configs run it (the packed conv through inductor when compiled, model/depthwise.py), profiled: where
-# the step's time goes, kernel by kernel, and the baseline every other row of a lease is read against (leases
-# run on different machines); base at configs/base.yaml's own global batch of 256, which one GPU runs as one
-# micro-batch, profiled (the step's per-step costs, its 1,758 kernels under 10 us and the optimizer, spread
-# over twice the samples); inductor's max-autotune (profiled: what its matmul templates and fused epilogues
-# change: the GELUs and their backwards are 3.5 ms of the 2026-11-28 H200 step); small; base at seq 512; the
-# Triton conv forced (the A/B of the conv); the residual stream in fp32 as autocast leaves it (the A/B of the
-# bf16 stream: 3,119 against 3,265 samples/s on the 2026-11-27 H200); ZeRO-1's bf16 weights, captured (no
+# bf16, model.overrides.residual_dtype=autocast): base with sdconv_impl=auto as the configs run it (the
+# packed conv through inductor when compiled, model/depthwise.py) at configs/base.yaml's own global batch of
+# 256, which one GPU runs as one micro-batch, profiled: where the step's time goes, kernel by kernel, and the
+# baseline every other row of a lease is read against (leases run on different machines; 28.6% MFU on the
+# 2026-11-28 H200); the same with the fused kernels' block sizes tuned (train.compile_autotune=kernels,
+# profiled: inductor's elementwise and reduction kernels are 22.5 ms of its 63.4, the GELUs running at about
+# 2.7-3 TB/s of the H200's 4.8); small and base at seq 512 (owed to the issue); base at the acceptance's
+# batch of 128, profiled (the baseline of the leases before; 0.90x the samples/s of batch 256); max-autotune at
+# batch 256 (profiled: what its matmul templates and fused epilogues change, the GELUs and their backwards
+# being 6.8 ms of the batch-256 step; its compile outlasted the 141 s one lease had left); the Triton conv
+# forced (the A/B of the conv); the residual stream in fp32 as autocast leaves it (the A/B of the bf16
+# stream: 3,119 against 3,265 samples/s on the 2026-11-27 H200); ZeRO-1's bf16 weights, captured (no
 # autocast casts, half the elementwise traffic; DeepSpeed's optimizer step outside the graphs); the paper
 # path captured eager, which starts in seconds; each layer width compiled once (train.compile_layers_once:
 # the same samples/s on the H200, its gradients checked there); inductor drawing dropout and sampling in its
@@ -61,11 +65,13 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 # partitioning (run only when the partitioned step recorded no CUDA graph); eager (profiled); then what each
 # other switch changes, one at a time, with the residual stream autocast leaves (the rows of earlier leases).
 PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture", residual="autocast")
-GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
-            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, profile=True),
-            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, autotune=True, profile=True),
+GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, profile=True),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, autotune="kernels",
+                        profile=True),
             PretrainRun("small", "bf16", "auto", True, "step", **PAPER_PATH),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, seq=512),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, autotune=True, profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),
             PretrainRun("base", "bf16", "auto", True, "step", **{**PAPER_PATH, "residual": "fp32"}),
             PretrainRun("base", "bf16", "auto", True, "step", cuda_graphs="capture"),

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(dataclasses.asdict(plan), indent=2, default=str))
     compiled = cfg.train.compile_mode if cfg.train.compile else "off"
     if compiled == "step":
-        compiled += "+layers_once" * cfg.train.compile_layers_once + "+autotune" * cfg.train.compile_autotune
+        compiled += "+layers_once" * cfg.train.compile_layers_once
+        compiled += {False: "", "kernels": "+autotune_kernels", True: "+autotune"}[cfg.train.compile_autotune]
     if compiled != "off":
         compiled += "+inductor_random" * (cfg.train.compile_random == "inductor")
     # train.cuda_graphs=auto says what it chose, and why when that is not a capture by hand.

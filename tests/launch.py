@@ -65,12 +65,6 @@ def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.Comple
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-# Inductor's scalar C++ kernels (its vectorised ones off), for tests whose runs compile on CPU: what they check
-# is the graph (no break, the eager numbers) and the machinery around it, not inductor's vector code, and on a
-# CPU with cold caches, as in CI, g++ on the vectorised kernels was about a quarter of a compiled run's time
-# (102 s against 76 s for the tiny step's first call, one process).
-SCALAR_INDUCTOR_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "0"}
-
 # The launcher of the runs whose subject is not the launcher (checkpoint layouts for the converter, compiled
 # steps, metrics files): the same trainer, DeepSpeed engines and gloo ranks, started about 4.6 s sooner a run
 # than by ``deepspeed``, whose runner and node launcher each import DeepSpeed before a rank starts (13.3 s

@@ -157,11 +157,12 @@ class TrainSection:
         "every layer instead of unrolling them all into the step's graph: a much shorter first step on CPU "
         "(benchmarks/compile_time.py), no fusion across a layer's edges; off: on an H200 it gave the unrolled "
         "step's samples/s and no shorter compile (benchmarks/RESULTS.md)")] = False
-    compile_autotune: Annotated[bool, Key(
-        "with train.compile_mode=step (ignored otherwise): inductor's max-autotune for the step, its matmuls "
-        "timed as Triton templates (their elementwise epilogues fused in) against cuBLAS and every fused "
-        "kernel's block sizes tuned; minutes more of compiling at the first step; off until a GPU shows it "
-        "pays (benchmarks/gpu_acceptance.py)")] = False
+    compile_autotune: Annotated[Literal[False, "kernels", True], Key(
+        "with train.compile_mode=step (ignored otherwise), on GPUs: kernels = the block sizes of inductor's fused "
+        "elementwise and reduction kernels tuned by timing them (the matmuls stay cuBLAS's); true = inductor's "
+        "max-autotune, that and the matmuls timed as Triton templates (their elementwise epilogues fused in) "
+        "against cuBLAS; minutes more of compiling at the first step; off until a GPU shows either pays "
+        "(benchmarks/gpu_acceptance.py)")] = False
     compile_random: Annotated[Literal["eager", "inductor"], Key(
         "with train.compile on: who draws dropout, masking and sampling inside compiled code: eager = torch's "
         "generator, the same draws as eager (a compiled run follows the eager one; each dropout is an aten kernel "
@@ -340,8 +341,8 @@ def _coerce(value, hint, path: str):
         raise ConfigError(f"{path}: may not be null")
     for kind in allowed:
         origin = typing.get_origin(kind) or kind
-        if origin is Literal:
-            if value in typing.get_args(kind):
+        if origin is Literal:  # by type too: YAML's 1 is not true
+            if any(value == choice and type(value) is type(choice) for choice in typing.get_args(kind)):
                 return value
             raise ConfigError(f"{path}={value!r}: use one of {list(typing.get_args(kind))}")
         if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -9,7 +9,7 @@ same function, written for speed: self-attention goes through
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -337,8 +337,8 @@ def probe_triton_kernels(model: nn.Module, device: torch.device | str, dtype: to
     return {**probe_sdconv(model, device, dtype), **probe_document_conv(model, device)}
 
 
-def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False, autotune: bool = False,
-                 eager_random: bool = True) -> None:
+def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
+                 autotune: Literal[False, "kernels", True] = False, eager_random: bool = True) -> None:
     """Put the whole forward of ``model`` (the ELECTRA step: masking, both bodies, sampling, losses) through
     ``torch.compile`` as one graph, in place: ``fullgraph=True``, so a graph break is an error, not a silent
     return of the host to the loop; its backward is compiled with it (AOTAutograd). ``cuda_graphs`` (on CUDA
@@ -357,10 +357,12 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
     ``tests/model/test_compile_layers_once.py``), and freed buffers return to torch's caching allocator
     anyway.
 
-    ``autotune``: inductor's max-autotune. On a GPU the step's time is in its matmuls and in the fused
-    elementwise kernels around them (``benchmarks/RESULTS.md``, H200); this times Triton matmul templates,
-    which can take those kernels in as epilogues, against cuBLAS, and tunes every fused kernel's block sizes,
-    for minutes more of compiling.
+    ``autotune`` (Triton's kernels only: nothing changes on CPU): on a GPU the step's time is in its matmuls
+    and in the fused elementwise kernels around them (``benchmarks/RESULTS.md``, H200). ``"kernels"`` times
+    several block sizes for each fused elementwise and reduction kernel at its first call, then refines the
+    best by coordinate descent: those kernels move bytes, and the heuristic's block sizes ran the GELUs at
+    about 2.7-3 TB/s on the H200. ``True``, inductor's max-autotune, does that too and times Triton matmul
+    templates, which can take those kernels in as epilogues, against cuBLAS: minutes more of compiling.
 
     ``eager_random`` (the default): dropout, masking and Gumbel noise draw from torch's own generator, as in
     eager: the same draws, so a compiled run follows the eager one (to rounding), and switching compile on
@@ -370,15 +372,24 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
     for body in model.modules():
         if hasattr(body, "layers_compiled_once"):
             body.layers_compiled_once = layers_once
+    options = step_inductor_options(cuda_graphs, layers_once, autotune, eager_random)
+    # ``forward``, not the module's call: hooks that an engine registers on the module (DeepSpeed's timers
+    # and ZeRO bookkeeping) stay eager around the graph instead of breaking it.
+    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
+
+
+def step_inductor_options(cuda_graphs: bool, layers_once: bool, autotune: Literal[False, "kernels", True],
+                          eager_random: bool) -> dict:
+    """Inductor's options for ``compile_step``, whose arguments these are."""
     options = {"triton.cudagraphs": cuda_graphs,  # what mode="reduce-overhead" sets, which options cannot join
                **_random_stream(eager_random)}
     if layers_once:
         options["allow_buffer_reuse"] = False
     if autotune:
-        options.update({"max_autotune": True, "coordinate_descent_tuning": True})
-    # ``forward``, not the module's call: hooks that an engine registers on the module (DeepSpeed's timers
-    # and ZeRO bookkeeping) stay eager around the graph instead of breaking it.
-    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
+        options.update({"max_autotune_pointwise": True, "coordinate_descent_tuning": True})
+    if autotune is True:
+        options["max_autotune"] = True  # the matmul templates too
+    return options
 
 
 def _random_stream(eager: bool) -> dict:

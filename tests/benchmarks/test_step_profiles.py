@@ -6,12 +6,11 @@ from __future__ import annotations
 import re
 import sys
 
-from launch import REPO, SCALAR_INDUCTOR_ENV, env, run_group
+from launch import REPO, env, run_group
 
 
-def run(script: str, *args: str, extra_env: dict | None = None) -> list[str]:
-    result = run_group([sys.executable, str(REPO / "benchmarks" / script), *args], timeout=400, cwd=REPO,
-                       env={**env(), **(extra_env or {})})
+def run(script: str, *args: str) -> list[str]:
+    result = run_group([sys.executable, str(REPO / "benchmarks" / script), *args], timeout=400, cwd=REPO, env=env())
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout.splitlines()
 
@@ -57,7 +56,7 @@ def test_step_ops_profiles_one_document_and_packed_samples():
 def test_compile_time_compiles_the_step_unrolled_and_layers_once():
     # Two layers per body: the second calls the region the first compiled (about 50 s a variant here).
     lines = run("compile_time.py", "--preset", "tiny", "--batch", "2", "--seq", "32", "--vocab", "1000",
-                "--threads", "1", extra_env=SCALAR_INDUCTOR_ENV)
+                "--threads", "1")
     assert lines[0].startswith("device=cpu preset=tiny layers=2 batch=2 seq=32") and "caches=empty" in lines[0]
     losses = next(line for line in lines if line.startswith("the first step's losses"))
     assert float(losses.split()[-1].rstrip(")")) < 1e-5, losses  # the same dropout and masks, fp32

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from launch import NOT_THE_SUBJECT, SCALAR_INDUCTOR_ENV, check, run_training, train_metrics
+from launch import NOT_THE_SUBJECT, check, run_training, train_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def runs(tiny_corpus, tmp_path_factory):
                 continue  # step: refused up front for the pipeline; the plain engine layer by layer: see above
             run_dir = root / f"{layout}_{mode}"
             output = check(run_training(run_dir, tiny_corpus["shards"], *COMMON, *overrides, *switches, timeout=600,
-                                        launcher=NOT_THE_SUBJECT, extra_env=SCALAR_INDUCTOR_ENV))
+                                        launcher=NOT_THE_SUBJECT))
             done[layout, mode] = (run_dir, output)
     return done
 
@@ -89,8 +89,7 @@ def test_exact_resume_of_a_compiled_run_is_bitwise(runs, tiny_corpus, tmp_path):
     shutil.rmtree(resumed / "checkpoints" / f"step{STEPS:08d}")
     (resumed / "checkpoints" / "latest").write_text(f"step{HALF:08d}\n")
     output = check(run_training(resumed, tiny_corpus["shards"], *COMMON, *LAYOUTS["autocast"],
-                                "train.compile=true", "train.compile_mode=step", timeout=600, launcher=NOT_THE_SUBJECT,
-                                extra_env=SCALAR_INDUCTOR_ENV))
+                                "train.compile=true", "train.compile_mode=step", timeout=600, launcher=NOT_THE_SUBJECT))
     assert f"at step {HALF}" in output
     for a, b in zip(train_metrics(straight)[HALF:], train_metrics(resumed)[HALF:]):
         for key in ("loss", "mlm_loss", "rtd_loss", "mlm_accuracy", "grad_norm", "consumed_samples"):

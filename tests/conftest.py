@@ -13,8 +13,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Inductor's scalar C++ kernels (its vectorised ones off) in every test and every process a test starts: what
 # the compiled tests check is the graph (no break, the eager numbers) and the machinery around it, not
-# inductor's vector code, and with cold caches, as in CI, g++ on the vectorised kernels is most of a compile
-# (tests/model/test_compile_random.py: 167 s against 97 s scalar, 2 CPU cores).
+# inductor's vector code, and with cold caches, as in CI, g++ on the vectorised kernels is about 40% of a
+# compile (tests/model/test_compile_random.py: 167 s against 97 s scalar, 2 CPU cores).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import torch  # noqa: E402

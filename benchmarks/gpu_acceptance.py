@@ -22,11 +22,11 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step, ZeRO-1 bf16 vs
    ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and
    without inductor's graph partitioning, the step captured by hand (``train.cuda_graphs: capture``), its
-   layers unrolled or compiled once per width (``train.compile_layers_once``), inductor's max-autotune
-   (``train.compile_autotune``), the residual stream in bf16 (``model.overrides.residual_dtype=autocast``),
-   dropout and sampling drawn by inductor (``train.compile_random=inductor``); samples/s, tokens/s and MFU
-   are the medians of the trainer's own ``metrics.jsonl`` after warm-up, with the CUDA graphs the step
-   recorded (the most telling runs first). The headline rows then profile 3 more
+   layers unrolled or compiled once per width (``train.compile_layers_once``), inductor's fused kernels
+   tuned and its max-autotune (``train.compile_autotune=kernels``, ``true``), the residual stream in bf16
+   (``model.overrides.residual_dtype=autocast``), dropout and sampling drawn by inductor
+   (``train.compile_random=inductor``); samples/s, tokens/s and MFU are the medians of the trainer's own
+   ``metrics.jsonl`` after warm-up, with the CUDA graphs the step recorded (the most telling runs first). The headline rows then profile 3 more
    steps (``train.profile``): the device's busy time against the wall time, the top kernels and host ops.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 7. ``layer_ops``: one layer's ops on their own at base's shape, eager and compiled:

@@ -26,8 +26,9 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    tuned and its max-autotune (``train.compile_autotune=kernels``, ``true``), the residual stream in bf16
    (``model.overrides.residual_dtype=autocast``), dropout and sampling drawn by inductor
    (``train.compile_random=inductor``); samples/s, tokens/s and MFU are the medians of the trainer's own
-   ``metrics.jsonl`` after warm-up, with the CUDA graphs the step recorded (the most telling runs first). The headline rows then profile 3 more
-   steps (``train.profile``): the device's busy time against the wall time, the top kernels and host ops.
+   ``metrics.jsonl`` after warm-up, with the CUDA graphs the step recorded (the most telling runs first).
+   The headline rows then profile 3 more steps (``train.profile``): the device's busy time against the wall
+   time, the top kernels and host ops.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 7. ``layer_ops``: one layer's ops on their own at base's shape, eager and compiled:
    ``benchmarks/residual_dtype.py`` (the residual stream in bf16 against fp32, with inductor's count of its

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.limited_run import run_group, where_it_stopped
-from benchmarks.pretrain_rows import AUTOCAST, CPU_SMOKE_RUNS, GPU_RUNS, PretrainRun
+from benchmarks.pretrain_rows import AUTOCAST, AUTOTUNE_LABELS, CPU_SMOKE_RUNS, GPU_RUNS, PretrainRun
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -282,7 +282,7 @@ class Acceptance:
         seq, batch = self._shape(spec)
         name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{seq}_batch{batch}_"
                 f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
-                f"{'' if not spec.autotune else '_autotune' if spec.autotune is True else '_tuned_kernels'}"
+                f"{'_' + AUTOTUNE_LABELS[spec.autotune].replace(' ', '_') if spec.autotune else ''}"
                 f"{'_inductor_random' if spec.random == 'inductor' else ''}"
                 f"{'' if spec.residual == 'fp32' else f'_{spec.residual}_residual'}"
                 f"{'' if spec.graph_partition else '_no_partition'}"

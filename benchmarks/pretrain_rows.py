@@ -22,7 +22,7 @@ class PretrainRun:
     profile: bool = False  # after the timed steps, gpu_acceptance.PROFILED_STEPS more, profiled (not in the medians)
     layers_once: bool = False  # train.compile_layers_once (step only): one compiled layer per width, reused
     autotune: bool | str = False  # train.compile_autotune (step only): "kernels" tunes the fused kernels, True
-    # is inductor's max-autotune
+    # is inductor's max-autotune (AUTOTUNE_LABELS)
     residual: str = "fp32"  # model.overrides.residual_dtype: "autocast" (the paper configs') keeps it in bf16
     random: str = "eager"  # train.compile_random: "inductor" draws dropout and sampling in inductor's kernels
 
@@ -34,12 +34,14 @@ class PretrainRun:
     def compile_label(self) -> str:
         label = "off" if not self.compile else "on" if self.compile_mode == "layers" else self.compile_mode
         label = f"{label}, layers once" if self.layers_once else label
-        label = f"{label}, {'autotune' if self.autotune is True else 'tuned kernels'}" if self.autotune else label
+        label = f"{label}, {AUTOTUNE_LABELS[self.autotune]}" if self.autotune else label
         label = f"{label}, inductor random" if self.random == "inductor" else label
         label = label if self.graph_partition else f"{label}, no partition"
         return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
 
 
+# Each train.compile_autotune level as the tables and the run names say it.
+AUTOTUNE_LABELS = {False: "", "kernels": "tuned kernels", True: "autotune"}
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
 
 # The most telling first (a 15-minute lease reaches the first two or three; compiling base's whole step takes

@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
               f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled} {graphs}",
               flush=True)
         if cfg.train.compile:  # otherwise minutes of silence before the first log line look like a hang
-            print(f"note: train.compile=true: the first step and the first evaluation compile the model first "
+            # The whole step compiles for training only (evaluation runs eager); layers compile in both modes.
+            what = ("the first step compiles" if compiled.startswith("step")
+                    else "the first step and the first evaluation compile")
+            print(f"note: train.compile=true: {what} the model first "
                   f"(compile_mode={compiled}: about 2 minutes for ConvBERT-base on a GPU); train.compile=false "
                   "starts at once, slower per step", flush=True)
     try:

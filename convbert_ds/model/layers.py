@@ -346,7 +346,8 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
     thousands, where inductor captures them (``cuda_graphs_recorded`` says whether it did); without it the
     kernels launch one by one, or ``step_capture`` captures them. The step may take this shape because
     nothing in it reads the device (static masking, no ``.item()``, inputs checked on the host) and batches
-    have one shape. Call it with ``check=False``.
+    have one shape. Call it with ``check=False``. Only training calls run the graph; evaluation runs eager
+    (``TrainingStepCompiled``).
 
     ``layers_once``: trace and compile one encoder layer per width (ELECTRA has two: the generator's and the
     discriminator's) and call that code for every layer, instead of unrolling 2 x 12 layers into the graph
@@ -375,7 +376,24 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
     options = step_inductor_options(cuda_graphs, layers_once, autotune, eager_random)
     # ``forward``, not the module's call: hooks that an engine registers on the module (DeepSpeed's timers
     # and ZeRO bookkeeping) stay eager around the graph instead of breaking it.
-    model.forward = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
+    model.forward = TrainingStepCompiled(model, torch.compile(model.forward, fullgraph=True, dynamic=False,
+                                                              options=options))
+
+
+class TrainingStepCompiled:
+    """Stands in for ``model.forward`` after ``compile_step``: a training call (train mode, gradients on) runs
+    the compiled step, any other call (evaluation: eval mode, no grad) the eager forward. Evaluation is a few
+    forward-only batches every ``eval.interval`` steps; compiling its graph as well was a second compile at the
+    first evaluation of every run and resume (about a third of the step's own compile on CPU), and on a GPU
+    more graphs to capture and hold, for a forward that runs for seconds an hour. Eager, it draws the same
+    masks (torch's generator) and computes the same figures to rounding."""
+
+    def __init__(self, model: nn.Module, compiled):
+        self.model, self.compiled, self.eager = model, compiled, model.forward
+
+    def __call__(self, *args, **kwargs):
+        training = self.model.training and torch.is_grad_enabled()
+        return (self.compiled if training else self.eager)(*args, **kwargs)
 
 
 def step_inductor_options(cuda_graphs: bool, layers_once: bool, autotune: Literal[False, "kernels", True],

@@ -20,7 +20,7 @@ from convbert_ds.engine.plan import resolve
 from convbert_ds.formats.train_config import load_config
 from convbert_ds.formats.checkpoint import universal
 from convbert_ds.formats.checkpoint.directory import UNIVERSAL
-from launch import NOT_THE_SUBJECT, REPO, TINY_CONFIG, check, env, free_port, run_group, run_training, train_metrics
+from launch import NOT_THE_SUBJECT, REPO, TINY_CONFIG, check, env, run_group, run_training, spawn_ranks, train_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +32,11 @@ SHORT = ("train.warmup_steps=2", "eval.interval=0", "log.interval=1", "train.mic
 
 
 def run_worker(out: Path, run_dir: Path, shards: Path, nproc: int, *overrides: str) -> dict:
-    """tests/engine/reshape_worker.py on ``nproc`` ranks (torchrun); returns its state and info."""
-    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
-               free_port(), str(REPO / "tests" / "engine" / "reshape_worker.py"), str(out), "--config",
-               str(TINY_CONFIG), f"data.sets=[{{path: '{shards}', weight: 1.0}}]",
-               f"checkpoint.dir={run_dir / 'checkpoints'}", f"log.dir={run_dir / 'logs'}", *SHORT, *overrides]
+    """tests/engine/reshape_worker.py on ``nproc`` ranks (``spawn_ranks``); returns its state and info."""
+    worker = [sys.executable, str(REPO / "tests" / "engine" / "reshape_worker.py"), str(out), "--config",
+              str(TINY_CONFIG), f"data.sets=[{{path: '{shards}', weight: 1.0}}]",
+              f"checkpoint.dir={run_dir / 'checkpoints'}", f"log.dir={run_dir / 'logs'}", *SHORT, *overrides]
+    command = spawn_ranks(nproc, worker)
     output = check(run_group(command, 420, cwd=REPO, env=env()))
     state = {q: load_file(str(out / f"{q}.safetensors")) for q in universal.QUANTITIES}
     return {"state": state, "info": json.loads((out / "info.json").read_text()), "output": output}
@@ -122,7 +122,8 @@ def test_killed_conversion_is_redone(tiny_corpus, tmp_path):
 
 def test_a_different_model_is_one_line_before_anything_starts(tiny_corpus, tmp_path):
     shards = tiny_corpus["shards"]
-    check(run_training(tmp_path, shards, ZERO2, *SHORT, "train.steps=2", "checkpoint.interval=2"))
+    check(run_training(tmp_path, shards, ZERO2, *SHORT, "train.steps=2", "checkpoint.interval=2",
+                       launcher=NOT_THE_SUBJECT))
     before = sorted(p.name for p in (tmp_path / "checkpoints").rglob("*"))
     result = run_training(tmp_path, shards, ZERO2, *SHORT, "train.steps=4", "model.overrides={hidden_size: 96}")
     assert result.returncode == 2

@@ -298,9 +298,10 @@ def test_regression_task_from_save_to_disk_reproduced_by_transformers(hf_model, 
 
 @pytest.mark.slow
 def test_training_checkpoint_is_converted_on_the_fly(tiny_corpus, task, tmp_path):
-    from launch import check, run_training
+    from launch import NOT_THE_SUBJECT, check, run_training
 
-    check(run_training(tmp_path / "train", tiny_corpus["shards"], "train.steps=2", "eval.interval=0", nproc=1))
+    check(run_training(tmp_path / "train", tiny_corpus["shards"], "train.steps=2", "eval.interval=0", nproc=1,
+                       launcher=NOT_THE_SUBJECT))
     out = tmp_path / "ft"
     args = ["--model", str(tmp_path / "train" / "checkpoints"), "--train", str(task / "train.jsonl"),
             "--validation", str(task / "dev.jsonl"), "--text-column", "text", "--label-column", "label",

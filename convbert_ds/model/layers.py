@@ -392,8 +392,13 @@ class TrainingStepCompiled:
         self.model, self.compiled, self.eager = model, compiled, model.forward
 
     def __call__(self, *args, **kwargs):
-        training = self.model.training and torch.is_grad_enabled()
-        return (self.compiled if training else self.eager)(*args, **kwargs)
+        return (self.compiled if is_training_call(self.model) else self.eager)(*args, **kwargs)
+
+
+def is_training_call(model: nn.Module) -> bool:
+    """Whether a call of ``model`` now is a training step's (train mode, gradients on), the one call a compiled
+    or captured step stands in for; evaluation (eval mode, no grad) runs the eager forward."""
+    return model.training and torch.is_grad_enabled()
 
 
 def step_inductor_options(cuda_graphs: bool, layers_once: bool, autotune: Literal[False, "kernels", True],

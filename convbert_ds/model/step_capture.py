@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from convbert_ds.model.electra import PretrainingOutput
+from convbert_ds.model.layers import is_training_call
 
 _FIELDS = [f.name for f in dataclasses.fields(PretrainingOutput)]
 WARMUP_CALLS = 3  # as torch's make_graphed_callables: lazy initialisation (cuBLAS, autotuning) stays out of the graphs
@@ -229,7 +230,7 @@ class CapturedStep:
         return None if self.captured is None else self.captured.fields
 
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, check=True, document_ids=None):
-        if not (self.model.training and torch.is_grad_enabled()) or check or attention_mask is None \
+        if not is_training_call(self.model) or check or attention_mask is None \
                 or token_type_ids is None or not (input_ids.is_cuda or self.recorder is not None):
             return self.uncaptured(input_ids, attention_mask, token_type_ids, check=check, document_ids=document_ids)
         args = (input_ids, attention_mask, token_type_ids) + (() if document_ids is None else (document_ids,))

@@ -396,8 +396,9 @@ class TrainingStepCompiled:
 
 
 def is_training_call(model: nn.Module) -> bool:
-    """Whether a call of ``model`` now is a training step's (train mode, gradients on), the one call a compiled
-    or captured step stands in for; evaluation (eval mode, no grad) runs the eager forward."""
+    """Whether a call of ``model`` now is a training step's (train mode, gradients on): the calls that
+    ``compile_step`` and ``capture_step`` stand in for. Any other call (evaluation: eval mode, no grad) they
+    hand to the forward they wrap."""
     return model.training and torch.is_grad_enabled()
 
 

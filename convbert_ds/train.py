@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if cfg.train.compile:  # otherwise minutes of silence before the first log line look like a hang
             # The whole step compiles for training only (evaluation runs eager); layers compile in both modes.
-            what = ("the first step compiles" if compiled.startswith("step")
+            what = ("the first step compiles" if cfg.train.compile_mode == "step"
                     else "the first step and the first evaluation compile")
             print(f"note: train.compile=true: {what} the model first "
                   f"(compile_mode={compiled}: about 2 minutes for ConvBERT-base on a GPU); train.compile=false "

@@ -386,7 +386,8 @@ class TrainingStepCompiled:
     forward-only batches every ``eval.interval`` steps; compiling its graph as well was a second compile at the
     first evaluation of every run and resume (about a third of the step's own compile on CPU: 33 s against 78
     for the tiny model's forward and backward), and on a GPU more graphs to capture and hold. Eager, it draws
-    the same masks (torch's generator) and computes the same figures to rounding."""
+    its masks from torch's generator, as a compiled evaluation did unless ``train.compile_random: inductor``,
+    and computes the same figures to rounding."""
 
     def __init__(self, model: nn.Module, compiled):
         self.model, self.compiled, self.eager = model, compiled, model.forward

@@ -4,6 +4,7 @@ unrolled into the step's graph, against each layer width compiled once and reuse
 
     python benchmarks/compile_time.py                     # CUDA: base, 128 x 128, bf16 autocast; CPU: small, 2 x 128
     python benchmarks/compile_time.py --preset tiny --layers 6 --batch 2 --seq 64 --threads 2
+    python benchmarks/compile_time.py --cache             # a restart: the compile cache file loaded, or not
 
 Each variant runs in a process of its own with empty compile caches (inductor's, its FX graph and autograd
 caches off), one after the other, on the same seeded model and batch (three packed documents a sample, as
@@ -12,6 +13,12 @@ it stood is printed. The first step's forward and backward are timed apart: each
 (tracing and the forward graph, then the backward graph at the first backward). The next step is timed
 too, compiled. The ratio is each variant's first step over the unrolled one's. Both variants should
 compute the same first loss (they draw the same dropout and masks); the largest difference is printed.
+
+``--cache`` compares instead what a restart on another node pays (``train.compile_cache``,
+``convbert_ds/engine/compile_cache.py``): the unrolled step with empty caches, which then writes the
+compile cache file, against the same in a fresh process whose inductor cache directory is empty too but
+which loads that file first (the load counts in its first forward). Here inductor's caches are on, empty
+at the start of each process; the last column counts the graphs inductor found in them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,7 +39,10 @@ from document_conv import three_documents_per_sample  # the script's own folder 
 from limited_run import run_group, where_it_stopped
 
 BASELINE = "unrolled (every layer in the graph)"
-VARIANTS = {BASELINE: False, "layers once (one per width)": True}
+# name -> (layers_once, what the variant does with the compile cache file: nothing, write it, or load it)
+VARIANTS = {BASELINE: (False, None), "layers once (one per width)": (True, None)}
+CACHE_VARIANTS = {"unrolled, empty caches (writes the file)": (False, "write"),
+                  "unrolled, the file loaded into empty caches": (False, "load")}
 
 
 def _synchronize(cuda: bool) -> None:
@@ -39,9 +50,11 @@ def _synchronize(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def measure(args, layers_once: bool) -> dict:
-    """One variant, in this process: seconds of the first forward and backward (compiling), milliseconds of
-    the next step, and the first step's loss."""
+def measure(args, layers_once: bool, cache: str | None) -> dict:
+    """One variant, in this process: seconds of the first forward and backward (compiling, after loading
+    ``args.cache_file`` when ``cache`` is ``load``), milliseconds of the next step, and the first step's loss;
+    ``cache`` ``write``: the cache file written after the first step."""
+    from convbert_ds.engine.compile_cache import built_artifacts, load_artifacts, write_atomically
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.layers import compile_step, probe_triton_kernels
 
@@ -63,6 +76,10 @@ def measure(args, layers_once: bool) -> dict:
     inputs = (input_ids, torch.ones_like(input_ids), torch.zeros_like(input_ids))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
     times, losses = [], []
+    load_start = time.perf_counter()  # the file's load counts in the first forward: a restart pays it
+    if cache == "load" and load_artifacts(args.cache_file) is None:
+        sys.exit(f"error: no compile cache file at {args.cache_file} to load")
+    load_s = time.perf_counter() - load_start
     for step in range(2):
         torch.manual_seed(100 + step)
         _synchronize(cuda)
@@ -76,23 +93,28 @@ def measure(args, layers_once: bool) -> dict:
         times.append((middle - start, time.perf_counter() - middle))
         losses.append(out.loss.item())
         model.zero_grad(set_to_none=True)
-    return {"forward_s": times[0][0], "backward_s": times[0][1], "next_step_ms": 1e3 * sum(times[1]),
+        if cache == "write" and step == 0:
+            write_atomically(args.cache_file, built_artifacts())
+    from torch._dynamo.utils import counters  # private but stable: the only record of inductor's cache use
+    return {"graphs_cached": counters["inductor"]["fxgraph_cache_hit"],
+            "forward_s": load_s + times[0][0], "backward_s": times[0][1], "next_step_ms": 1e3 * sum(times[1]),
             "loss": losses[0], "layers": config.discriminator.num_hidden_layers,
             "device": torch.cuda.get_device_name() if cuda else "cpu", "threads": torch.get_num_threads()}
 
 
-def run_variant(argv: list[str], layers_once: bool, timeout_s: float) -> dict:
-    """``measure`` in a fresh process with empty compile caches: its result, or exit with its output."""
+def run_variant(argv: list[str], name: str, timeout_s: float, caches_on: bool) -> dict:
+    """``measure`` of variant ``name`` in a fresh process with empty compile caches (inductor's FX graph and
+    autograd caches off unless ``caches_on``): its result, or exit with its output."""
     with tempfile.TemporaryDirectory(prefix="compile_time_") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
-               "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
-        command = [sys.executable, __file__, *argv, "--child", "once" if layers_once else "unrolled"]
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+        if not caches_on:
+            env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+        command = [sys.executable, __file__, *argv, "--child", name]
         # Stopped at the limit with its compile workers, its stack printed (where the compile stood).
         code, stdout, stderr = run_group(command, env, timeout_s)
     if code == 124:
-        sys.exit(f"error: {'layers once' if layers_once else 'unrolled'} did not finish within --timeout "
-                 f"{timeout_s:.0f} s; give it more, or a smaller --preset/--layers; it was in:\n"
-                 + "\n".join(where_it_stopped(stdout + stderr)))
+        sys.exit(f"error: {name} did not finish within --timeout {timeout_s:.0f} s; give it more, or a smaller "
+                 "--preset/--layers; it was in:\n" + "\n".join(where_it_stopped(stdout + stderr)))
     if code != 0:
         sys.exit(f"error: the variant's process exited with {code}:\n{stdout[-3000:]}{stderr[-3000:]}")
     return json.loads(stdout.strip().splitlines()[-1])
@@ -110,27 +132,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=bounded(int, min=1), default=None)
     parser.add_argument("--timeout", type=bounded(float, above=0), default=1800.0,
                         help="seconds each variant may take (default 1800)")
-    parser.add_argument("--child", choices=["unrolled", "once"], help=argparse.SUPPRESS)  # internal: one variant
+    parser.add_argument("--cache", action="store_true",
+                        help="compare a cold compile with one that loads the compile cache file (docstring)")
+    parser.add_argument("--child", choices=[*VARIANTS, *CACHE_VARIANTS], help=argparse.SUPPRESS)  # one variant
+    parser.add_argument("--cache-file", type=Path, help=argparse.SUPPRESS)  # internal: the variants' file
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args, layers_once=args.child == "once")))
+        layers_once, cache = {**VARIANTS, **CACHE_VARIANTS}[args.child]
+        print(json.dumps(measure(args, layers_once, cache)))
         return
     own = sys.argv[1:] if argv is None else list(argv)
-    results = {name: run_variant(own, once, args.timeout) for name, once in VARIANTS.items()}
-    first = results[BASELINE]
+    variants = CACHE_VARIANTS if args.cache else VARIANTS
+    with tempfile.TemporaryDirectory(prefix="compile_cache_") as kept:
+        own += ["--cache-file", str(Path(kept) / "step.bin")]
+        results = {name: run_variant(own, name, args.timeout, caches_on=args.cache) for name in variants}
+    first = next(iter(results.values()))
     print(f"device={first['device']} preset={args.preset} layers={first['layers']} batch={args.batch} "
           f"seq={args.seq} precision={'bf16 autocast' if cuda else 'fp32'} threads={first['threads']} "
-          "caches=empty")
+          "caches=empty" + (", the second loads the first's compile cache file" if args.cache else ""))
     losses = [result["loss"] for result in results.values()]
     print(f"the first step's losses: {', '.join(f'{loss:.6f}' for loss in losses)} "
           f"(largest relative difference {abs(losses[1] - losses[0]) / max(abs(losses[0]), 1e-12):.1e})")
     baseline_s = first["forward_s"] + first["backward_s"]
-    print(f"{'variant':<38}{'forward (s)':>12}{'backward (s)':>13}{'first step (s)':>15}{'/ unrolled':>11}"
-          f"{'next step (ms)':>16}")
+    print(f"{'variant':<46}{'forward (s)':>12}{'backward (s)':>13}{'first step (s)':>15}{'/ first':>9}"
+          f"{'next step (ms)':>16}{'graphs from cache':>19}")
     for name, result in results.items():
         total = result["forward_s"] + result["backward_s"]
-        print(f"{name:<38}{result['forward_s']:>12.1f}{result['backward_s']:>13.1f}{total:>15.1f}"
-              f"{total / baseline_s:>11.2f}{result['next_step_ms']:>16.1f}")
+        print(f"{name:<46}{result['forward_s']:>12.1f}{result['backward_s']:>13.1f}{total:>15.1f}"
+              f"{total / baseline_s:>9.2f}{result['next_step_ms']:>16.1f}{result['graphs_cached']:>19}")
 
 
 if __name__ == "__main__":

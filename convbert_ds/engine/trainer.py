@@ -16,6 +16,7 @@ import torch.distributed as dist
 from convbert_ds.data.blending import describe_blend
 from convbert_ds.data.loader import build_dataloader
 from convbert_ds.engine import checkpoint, distributed
+from convbert_ds.engine.compile_cache import CompileCache
 from convbert_ds.engine.downstream_probe import DownstreamProbes
 from convbert_ds.engine.flops import device_peak_tflops, training_flops_per_sample
 from convbert_ds.engine.pipeline import build_pipeline_module, load_plain_state_dict, pipeline_batch, pipeline_metrics
@@ -123,6 +124,10 @@ class Trainer:
             self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
             self.optimizer_step = OptimizerStep(self.engine, self.plan.trainer_clip_norm, self.plan.zero_stage,
                                                 self.dp_size, self.plan.whole_fp32_grads)
+        # Before anything compiles (the first step): one writer per pipeline stage, whose graphs are its own.
+        self.compile_cache = CompileCache.for_run(self.plan, self.engine.stage_id if self.pipelined else 0,
+                                                  writes=self.dp_rank == 0, announce=self.dp_rank == 0)
+        self.compile_cache.load()
         self.is_logger = dist.get_rank() == 0
         data = cfg.data  # data.sets is not read again: self.sets is what the plan parsed and checked
         loader = partial(build_dataloader, self.sets, seq_len=data.seq_len, micro_batch_size=self.plan.micro_batch_size,
@@ -386,6 +391,7 @@ class Trainer:
             evaluating = cfg.eval.interval and self.step % cfg.eval.interval == 0
             if evaluating:
                 self._log_eval()
+            self.compile_cache.after_step()  # writes only when this process has built more graphs
             # A failed save leaves saved_at behind: the next interval, or the run's last save, tries again.
             if interval_save and self.save():
                 saved_at = self.step
@@ -402,6 +408,7 @@ class Trainer:
         saved = saved_at == self.step or self.save(final=True)
         if cfg.eval.interval and self.step % cfg.eval.interval:
             self._log_eval()
+            self.compile_cache.after_step()
         self.probes.wait()
         if self.is_logger:
             self._print_summary()

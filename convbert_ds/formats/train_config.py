@@ -169,6 +169,13 @@ class TrainSection:
         "of its own); inductor = inductor's own Philox stream inside its fused kernels (other draws than eager's, "
         "seeded from torch's generator, whose state checkpoints keep); eager until a GPU shows inductor pays "
         "(benchmarks/gpu_acceptance.py)")] = "eager"
+    compile_cache: Annotated[bool, Key(
+        "with train.compile on: keep the compiled graphs (and on GPUs their kernels) in train.compile_cache_dir, "
+        "written after the first step, and load them at the next start (a resume, a requeue on other nodes), "
+        "which then skips most of the first step's compile (convbert_ds/engine/compile_cache.py)")] = True
+    compile_cache_dir: Annotated[str | None, Key(
+        "where train.compile_cache keeps its files (one per torch, device, pipeline stage and graph settings, so "
+        "runs may share it); null: compile_cache beside checkpoint.dir")] = None
     cuda_graphs: Annotated[Literal["inductor", "capture", "auto", "off"], Key(
         "CUDA graphs on GPUs, so the host does not queue each kernel (nothing on CPU): inductor = inductor's "
         "CUDA-graph trees for train.compile_mode=step (reduce-overhead; inductor may decline, see cuda_graphs in "
@@ -304,6 +311,10 @@ class TrainConfig:
     @property
     def log_dir(self) -> Path:
         return Path(self.log.dir) if self.log.dir else Path(self.checkpoint.dir).parent / "logs"
+
+    @property
+    def compile_cache_dir(self) -> Path:
+        return Path(self.train.compile_cache_dir or Path(self.checkpoint.dir).parent / "compile_cache")
 
 
 # Loading ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ Under bf16 autocast (the paper configs' lean ZeRO-0 file) inductor also fuses th
 differently: measured over the 12 steps, losses to 1e-4 and gradient norms to 3.3e-4; allowed 2e-3.
 """
 
+import re
 import shutil
 
 import pytest
@@ -83,15 +84,23 @@ def test_nothing_recompiles_after_warm_up(runs, layout, mode):
 
 
 def test_exact_resume_of_a_compiled_run_is_bitwise(runs, tiny_corpus, tmp_path):
-    """The paper configs' path: the whole step compiled, ZeRO-0 under bf16 autocast."""
-    straight, _ = runs["autocast", "step"]
+    """The paper configs' path: the whole step compiled, ZeRO-0 under bf16 autocast. The resumed process
+    starts with empty inductor caches, as on another node: the run's compile cache (written by the first
+    run beside its checkpoints) gives it every graph, and the kernels from it compute the same bits."""
+    straight, said = runs["autocast", "step"]
+    assert f"compile cache: wrote {straight / 'compile_cache'}" in said
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / f"step{STEPS:08d}")
     (resumed / "checkpoints" / "latest").write_text(f"step{HALF:08d}\n")
     output = check(run_training(resumed, tiny_corpus["shards"], *COMMON, *LAYOUTS["autocast"],
-                                "train.compile=true", "train.compile_mode=step", timeout=600, launcher=NOT_THE_SUBJECT))
+                                "train.compile=true", "train.compile_mode=step", timeout=600, launcher=NOT_THE_SUBJECT,
+                                extra_env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty_inductor_cache")}))
     assert f"at step {HALF}" in output
+    assert f"compiled graph(s) loaded from {resumed / 'compile_cache'}" in output
+    found = re.search(r"compile: (\d+) graph\(s\) found in inductor's caches, 0 compiled", output)
+    assert found and int(found.group(1)) > 0, output[-3000:]
+    assert "compile cache: wrote" not in output  # the same graphs: the file is left as it was
     for a, b in zip(train_metrics(straight)[HALF:], train_metrics(resumed)[HALF:]):
         for key in ("loss", "mlm_loss", "rtd_loss", "mlm_accuracy", "grad_norm", "consumed_samples"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])

@@ -74,15 +74,16 @@ def cache_file(directory: Path, settings: dict, stage: int) -> Path:
     return directory / f"torch-{version}-{device_label()}-stage{stage}-{digest}.bin"
 
 
-def load_artifacts(path: Path) -> tuple[int, str] | None:
-    """Put the graphs saved in ``path`` into inductor's caches: how many, and the file's sha256; None when
-    the file is missing or damaged (torch logs why for a damaged one)."""
+def load_artifacts(path: Path) -> bytes | None:
+    """Put the graphs saved in ``path`` into inductor's caches; returns the file's bytes, or None when the
+    file is missing or damaged (torch logs why for a damaged one)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
-    info = torch.compiler.load_cache_artifacts(data)  # None, with torch's own warning, when damaged
-    return None if info is None else (sum(map(len, info.artifacts.values())), hashlib.sha256(data).hexdigest())
+    # None, with torch's own warning, when damaged. What it returns otherwise (CacheInfo) changed its fields
+    # across torch versions, so it is not read: the first compile's hits say what the file held.
+    return None if torch.compiler.load_cache_artifacts(data) is None else data
 
 
 def built_artifacts() -> bytes | None:
@@ -126,8 +127,8 @@ class CompileCache:
             self._say(f"warning: train.compile_cache: cannot read {self.path} ({error}); the first step compiles")
             return
         if loaded is not None:
-            count, self._on_disk = loaded
-            self._say(f"compile cache: {count} compiled graph(s) loaded from {self.path}")
+            self._on_disk = hashlib.sha256(loaded).hexdigest()
+            self._say(f"compile cache: loaded {self.path} ({len(loaded) / 1e6:.1f} MB)")
         elif self.path.exists():
             self._say(f"warning: train.compile_cache: {self.path} is damaged (torch's warning above says why); "
                       "the first step compiles, and the file is written anew")

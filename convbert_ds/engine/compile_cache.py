@@ -96,8 +96,11 @@ def built_artifacts() -> bytes | None:
 def write_atomically(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(data)
-    os.replace(partial, path)
+    try:
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    finally:  # a failed write (a full disk) leaves no partial file behind
+        partial.unlink(missing_ok=True)
 
 
 class CompileCache:

@@ -1,24 +1,21 @@
 """How long the whole ELECTRA step takes to compile (``train.compile_mode: step``): every encoder layer
 unrolled into the step's graph, against each layer width compiled once and reused
-(``train.compile_layers_once``, ``compile_step(layers_once=True)``).
+(``train.compile_layers_once``, ``compile_step(layers_once=True)``), and against the unrolled step again
+as a restart on another node compiles it: with the compile cache file the first variant wrote loaded
+(``train.compile_cache``, ``convbert_ds/engine/compile_cache.py``).
 
     python benchmarks/compile_time.py                     # CUDA: base, 128 x 128, bf16 autocast; CPU: small, 2 x 128
     python benchmarks/compile_time.py --preset tiny --layers 6 --batch 2 --seq 64 --threads 2
-    python benchmarks/compile_time.py --cache             # a restart: the compile cache file loaded, or not
 
-Each variant runs in a process of its own with empty compile caches (inductor's, its FX graph and autograd
-caches off), one after the other, on the same seeded model and batch (three packed documents a sample, as
-the trainer packs them). A variant past ``--timeout`` is stopped with every process it started, and where
-it stood is printed. The first step's forward and backward are timed apart: each includes its compile
-(tracing and the forward graph, then the backward graph at the first backward). The next step is timed
-too, compiled. The ratio is each variant's first step over the unrolled one's. Both variants should
-compute the same first loss (they draw the same dropout and masks); the largest difference is printed.
-
-``--cache`` compares instead what a restart on another node pays (``train.compile_cache``,
-``convbert_ds/engine/compile_cache.py``): the unrolled step with empty caches, which then writes the
-compile cache file, against the same in a fresh process whose inductor cache directory is empty too but
-which loads that file first (the load counts in its first forward). Here inductor's caches are on, empty
-at the start of each process; the last column counts the graphs inductor found in them.
+Each variant runs in a process of its own whose inductor cache directory starts empty, one after the
+other, on the same seeded model and batch (three packed documents a sample, as the trainer packs them). A
+variant past ``--timeout`` is stopped with every process it started, and where it stood is printed. The
+first step's forward and backward are timed apart: each includes its compile (tracing and the forward
+graph, then the backward graph at the first backward; the cache file's load counts in the forward). The
+next step is timed too, compiled. The ratio is each variant's first step over the unrolled one's; the last
+column counts the graphs inductor found in its caches (only the file can have put them there). All
+variants should compute the same first loss (they draw the same dropout and masks); the largest
+difference from the first is printed.
 """
 
 from __future__ import annotations
@@ -38,11 +35,9 @@ from convbert_ds.config import PRESET_NAMES, ElectraConfig
 from document_conv import three_documents_per_sample  # the script's own folder is on sys.path
 from limited_run import run_group, where_it_stopped
 
-BASELINE = "unrolled (every layer in the graph)"
-# name -> (layers_once, what the variant does with the compile cache file: nothing, write it, or load it)
-VARIANTS = {BASELINE: (False, None), "layers once (one per width)": (True, None)}
-CACHE_VARIANTS = {"unrolled, empty caches (writes the file)": (False, "write"),
-                  "unrolled, the file loaded into empty caches": (False, "load")}
+# name -> (layers_once, what the variant does with the compile cache file: write it, nothing, or load it)
+VARIANTS = {"unrolled (every layer in the graph)": (False, "write"), "layers once (one per width)": (True, None),
+            "unrolled, the compile cache file loaded": (False, "load")}
 
 
 def _synchronize(cuda: bool) -> None:
@@ -102,13 +97,11 @@ def measure(args, layers_once: bool, cache: str | None) -> dict:
             "device": torch.cuda.get_device_name() if cuda else "cpu", "threads": torch.get_num_threads()}
 
 
-def run_variant(argv: list[str], name: str, timeout_s: float, caches_on: bool) -> dict:
-    """``measure`` of variant ``name`` in a fresh process with empty compile caches (inductor's FX graph and
-    autograd caches off unless ``caches_on``): its result, or exit with its output."""
+def run_variant(argv: list[str], name: str, timeout_s: float) -> dict:
+    """``measure`` of variant ``name`` in a fresh process with empty compile caches: its result, or exit with
+    its output."""
     with tempfile.TemporaryDirectory(prefix="compile_time_") as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-        if not caches_on:
-            env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
         command = [sys.executable, __file__, *argv, "--child", name]
         # Stopped at the limit with its compile workers, its stack printed (where the compile stood).
         code, stdout, stderr = run_group(command, env, timeout_s)
@@ -132,34 +125,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=bounded(int, min=1), default=None)
     parser.add_argument("--timeout", type=bounded(float, above=0), default=1800.0,
                         help="seconds each variant may take (default 1800)")
-    parser.add_argument("--cache", action="store_true",
-                        help="compare a cold compile with one that loads the compile cache file (docstring)")
-    parser.add_argument("--child", choices=[*VARIANTS, *CACHE_VARIANTS], help=argparse.SUPPRESS)  # one variant
+    parser.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)  # internal: one variant
     parser.add_argument("--cache-file", type=Path, help=argparse.SUPPRESS)  # internal: the variants' file
     args = parser.parse_args(argv)
     if args.child:
-        layers_once, cache = {**VARIANTS, **CACHE_VARIANTS}[args.child]
-        print(json.dumps(measure(args, layers_once, cache)))
+        print(json.dumps(measure(args, *VARIANTS[args.child])))
         return
     own = sys.argv[1:] if argv is None else list(argv)
-    variants = CACHE_VARIANTS if args.cache else VARIANTS
     with tempfile.TemporaryDirectory(prefix="compile_cache_") as kept:
         own += ["--cache-file", str(Path(kept) / "step.bin")]
-        results = {name: run_variant(own, name, args.timeout, caches_on=args.cache) for name in variants}
+        results = {name: run_variant(own, name, args.timeout) for name in VARIANTS}
     first = next(iter(results.values()))
     print(f"device={first['device']} preset={args.preset} layers={first['layers']} batch={args.batch} "
           f"seq={args.seq} precision={'bf16 autocast' if cuda else 'fp32'} threads={first['threads']} "
-          "caches=empty" + (", the second loads the first's compile cache file" if args.cache else ""))
+          "caches=empty")
     losses = [result["loss"] for result in results.values()]
+    worst = max(abs(loss - losses[0]) for loss in losses) / max(abs(losses[0]), 1e-12)
     print(f"the first step's losses: {', '.join(f'{loss:.6f}' for loss in losses)} "
-          f"(largest relative difference {abs(losses[1] - losses[0]) / max(abs(losses[0]), 1e-12):.1e})")
+          f"(largest relative difference {worst:.1e})")
     baseline_s = first["forward_s"] + first["backward_s"]
-    print(f"{'variant':<46}{'forward (s)':>12}{'backward (s)':>13}{'first step (s)':>15}{'/ first':>9}"
+    print(f"{'variant':<42}{'forward (s)':>12}{'backward (s)':>13}{'first step (s)':>15}{'/ unrolled':>11}"
           f"{'next step (ms)':>16}{'graphs from cache':>19}")
     for name, result in results.items():
         total = result["forward_s"] + result["backward_s"]
-        print(f"{name:<46}{result['forward_s']:>12.1f}{result['backward_s']:>13.1f}{total:>15.1f}"
-              f"{total / baseline_s:>9.2f}{result['next_step_ms']:>16.1f}{result['graphs_cached']:>19}")
+        print(f"{name:<42}{result['forward_s']:>12.1f}{result['backward_s']:>13.1f}{total:>15.1f}"
+              f"{total / baseline_s:>11.2f}{result['next_step_ms']:>16.1f}{result['graphs_cached']:>19}")
 
 
 if __name__ == "__main__":

@@ -53,39 +53,27 @@ def test_step_ops_profiles_one_document_and_packed_samples():
     assert lines[-1].startswith("packed / one document: ")
 
 
-def test_compile_time_compiles_the_step_unrolled_and_layers_once():
-    # One layer per body, the least there is to compile (about 60 s a variant here; two layers took 85): the
-    # script's machinery, not the reuse of a region, which tests/model/test_compile_layers_once.py checks.
+def test_compile_time_compiles_the_step_unrolled_layers_once_and_from_the_cache_file():
+    # One layer per body, the least there is to compile (about 30 s a cold variant here): the script's
+    # machinery, not the reuse of a region, which tests/model/test_compile_layers_once.py checks. The third
+    # process starts with empty inductor caches, as a restart on another node, and loads the file the first
+    # wrote (train.compile_cache): both of the step's graphs come from it, and give the same bits.
     lines = run("compile_time.py", "--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "32", "--vocab",
                 "1000", "--threads", "1")
     assert lines[0].startswith("device=cpu preset=tiny layers=1 batch=2 seq=32") and "caches=empty" in lines[0]
     losses = next(line for line in lines if line.startswith("the first step's losses"))
     assert float(losses.split()[-1].rstrip(")")) < 1e-5, losses  # the same dropout and masks, fp32
+    first_losses = [float(value) for value in losses.split(": ")[1].split(" (")[0].split(", ")]
+    assert first_losses[2] == first_losses[0], losses  # the kernels from the file: the same loss as printed
     header = lines.index(next(line for line in lines if line.startswith("variant")))
-    rows = {line[:46].strip(): [float(value) for value in line[46:].split()] for line in lines[header + 1:]}
-    assert list(rows) == ["unrolled (every layer in the graph)", "layers once (one per width)"], lines
-    for forward, backward, first, ratio, next_ms, cached in rows.values():
-        assert forward > 0 and backward > 0 and next_ms > 0 and cached == 0  # caches off
+    rows = {line[:42].strip(): [float(value) for value in line[42:].split()] for line in lines[header + 1:]}
+    unrolled, once, cached = "unrolled (every layer in the graph)", "layers once (one per width)", \
+        "unrolled, the compile cache file loaded"
+    assert list(rows) == [unrolled, once, cached], lines
+    for forward, backward, first, ratio, next_ms, _ in rows.values():
+        assert forward > 0 and backward > 0 and next_ms > 0
         assert abs(first - (forward + backward)) <= 0.11, rows  # one decimal each
-    baseline = rows["unrolled (every layer in the graph)"][2]
-    assert rows["unrolled (every layer in the graph)"][3] == 1.0
-    once = rows["layers once (one per width)"]
-    assert abs(once[3] - once[2] / baseline) <= 0.01 + 0.01 * once[3], rows  # ratio of the printed seconds
-
-
-def test_compile_time_with_the_compile_cache_file_loaded():
-    # A restart's compile (train.compile_cache): the second process starts with empty inductor caches and
-    # loads the file the first wrote, and finds both of the step's graphs there. What that skips on CPU is
-    # inductor's lowering; Dynamo's tracing and the C++ compile are redone (for the small preset the first
-    # step took 0.32 as long, benchmarks/RESULTS.md).
-    lines = run("compile_time.py", "--cache", "--preset", "tiny", "--layers", "1", "--batch", "2", "--seq", "32",
-                "--vocab", "1000", "--threads", "1")
-    assert lines[0].endswith("caches=empty, the second loads the first's compile cache file"), lines
-    losses = next(line for line in lines if line.startswith("the first step's losses"))
-    assert float(losses.split()[-1].rstrip(")")) == 0.0, losses  # the same kernels: the same bits
-    header = lines.index(next(line for line in lines if line.startswith("variant")))
-    rows = {line[:46].strip(): [float(value) for value in line[46:].split()] for line in lines[header + 1:]}
-    cold, warm = rows.values()
-    assert list(rows) == ["unrolled, empty caches (writes the file)", "unrolled, the file loaded into empty caches"]
-    assert cold[3] == 1.0 and abs(warm[3] - warm[2] / cold[2]) <= 0.01 + 0.01 * warm[3], rows
-    assert cold[5] == 0 and warm[5] == 2, rows  # the step's forward and backward graphs came from the file
+    assert rows[unrolled][3] == 1.0
+    for name in (once, cached):
+        assert abs(rows[name][3] - rows[name][2] / rows[unrolled][2]) <= 0.01 + 0.01 * rows[name][3], rows
+    assert rows[unrolled][5] == 0 and rows[cached][5] == 2, rows  # the step's forward and backward, from the file

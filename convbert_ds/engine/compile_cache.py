@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 
 import torch
 
 from convbert_ds.engine.plan import RunPlan
+from convbert_ds.fsutil import write_bytes_atomically
 from convbert_ds.model.layers import compiled_graph_count
 
 
@@ -93,16 +93,6 @@ def built_artifacts() -> bytes | None:
     return None if saved is None else saved[0]
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        partial.write_bytes(data)
-        os.replace(partial, path)
-    finally:  # a failed write (a full disk) leaves no partial file behind
-        partial.unlink(missing_ok=True)
-
-
 class CompileCache:
     """One rank's side of the cache (module docstring): ``load()`` once, before the first step;
     ``after_step()`` after every step, which writes the file whenever this process has built more graphs
@@ -149,7 +139,8 @@ class CompileCache:
         if data is None or hashlib.sha256(data).hexdigest() == self._on_disk:
             return  # not this rank's file, or a restart that found every graph: the same bytes again
         try:
-            write_atomically(self.path, data)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomically(self.path, data)  # a failed write leaves the old file, and no partial one
         except OSError as error:  # e.g. a full or read-only disk: the run goes on, the next start compiles
             self._say(f"warning: train.compile_cache: cannot write {self.path} ({error}); the next start "
                       "compiles again (set train.compile_cache_dir to a writable directory)")

@@ -49,7 +49,7 @@ def measure(args, layers_once: bool, cache: str | None) -> dict:
     """One variant, in this process: seconds of the first forward and backward (compiling, after loading
     ``args.cache_file`` when ``cache`` is ``load``), milliseconds of the next step, and the first step's loss;
     ``cache`` ``write``: the cache file written after the first step."""
-    from convbert_ds.engine.compile_cache import built_artifacts, load_artifacts
+    from convbert_ds.engine.compile_cache import built_artifacts, inductor_cache_use, load_artifacts
     from convbert_ds.fsutil import write_bytes_atomically
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.layers import compile_step, probe_triton_kernels
@@ -91,8 +91,7 @@ def measure(args, layers_once: bool, cache: str | None) -> dict:
         model.zero_grad(set_to_none=True)
         if cache == "write" and step == 0:
             write_bytes_atomically(args.cache_file, built_artifacts())
-    from torch._dynamo.utils import counters  # private but stable: the only record of inductor's cache use
-    return {"graphs_cached": counters["inductor"]["fxgraph_cache_hit"],
+    return {"graphs_cached": inductor_cache_use()[0],
             "forward_s": load_s + times[0][0], "backward_s": times[0][1], "next_step_ms": 1e3 * sum(times[1]),
             "loss": losses[0], "layers": config.discriminator.num_hidden_layers,
             "device": torch.cuda.get_device_name() if cuda else "cpu", "threads": torch.get_num_threads()}

@@ -57,21 +57,29 @@ def graph_settings(plan: RunPlan, stage: int) -> dict:
             "pipeline": [cfg.pipeline.stages, stage]}
 
 
+def _name_part(text: str) -> str:
+    """``text`` as one dash-free field of a file name."""
+    return re.sub(r"[^A-Za-z0-9.]+", "_", text)
+
+
 def device_label() -> str:
     """The device part of a cache file's name: compiled kernels are built for one GPU architecture (or CPU
     vector ISA) and one torch."""
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        name = f"{torch.cuda.get_device_name()}-sm{major}{minor}"
-    else:
-        name = f"cpu_{torch.backends.cpu.get_cpu_capability()}"
-    return re.sub(r"[^A-Za-z0-9.]+", "_", name)
+        return _name_part(f"{torch.cuda.get_device_name()}-sm{major}{minor}")
+    return _name_part(f"cpu_{torch.backends.cpu.get_cpu_capability()}")
 
 
 def cache_file(directory: Path, settings: dict, stage: int) -> Path:
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    version = re.sub(r"[^A-Za-z0-9.]+", "_", torch.__version__)
-    return directory / f"torch-{version}-{device_label()}-stage{stage}-{digest}.bin"
+    return directory / f"torch-{_name_part(torch.__version__)}-{device_label()}-stage{stage}-{digest}.bin"
+
+
+def inductor_cache_use() -> tuple[int, int]:
+    """Graphs inductor found in its caches and graphs it compiled, in this process so far."""
+    from torch._dynamo.utils import counters  # private but stable: the only record of inductor's cache use
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
 def load_artifacts(path: Path) -> bytes | None:
@@ -136,7 +144,8 @@ class CompileCache:
             self._report_first_compile()
         self._graphs_seen = graphs
         data = built_artifacts() if self.writes else None
-        if data is None or hashlib.sha256(data).hexdigest() == self._on_disk:
+        digest = None if data is None else hashlib.sha256(data).hexdigest()
+        if digest is None or digest == self._on_disk:
             return  # not this rank's file, or a restart that found every graph: the same bytes again
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,12 +154,11 @@ class CompileCache:
             self._say(f"warning: train.compile_cache: cannot write {self.path} ({error}); the next start "
                       "compiles again (set train.compile_cache_dir to a writable directory)")
             return
-        self._on_disk = hashlib.sha256(data).hexdigest()
+        self._on_disk = digest
         self._say(f"compile cache: wrote {self.path} ({len(data) / 1e6:.1f} MB; the next start loads it)")
 
     def _report_first_compile(self) -> None:
-        from torch._dynamo.utils import counters  # private but stable: the only record of inductor's cache use
-        found, built = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        found, built = inductor_cache_use()
         self._say(f"compile: {found} graph(s) found in inductor's caches, {built} compiled")
 
     def _say(self, line: str) -> None:

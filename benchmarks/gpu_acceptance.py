@@ -232,7 +232,8 @@ class Acceptance:
                           f"(`train.compile_layers_once=true`); tuned kernels: the block sizes of inductor's "
                           f"fused kernels tuned (`train.compile_autotune=kernels`); autotune: inductor's "
                           f"max-autotune (`train.compile_autotune=true`); inductor random: dropout and sampling "
-                          f"drawn in inductor's kernels (`train.compile_random=inductor`); P, P residual: the residual "
+                          f"drawn in inductor's kernels (`train.compile_random=inductor`); NAME=VALUE: that "
+                          f"option of inductor's (`train.compile_options.NAME=VALUE`); P, P residual: the residual "
                           f"stream in P as well "
                           f"(`model.overrides.residual_dtype=autocast`).", "", *rows, *profiles])
 
@@ -271,7 +272,7 @@ class Acceptance:
                 f"train.compile_layers_once={str(spec.layers_once).lower()}",
                 f"train.compile_autotune={str(spec.autotune).lower()}", f"train.compile_random={spec.random}",
                 f"model.overrides.sdconv_impl={spec.sdconv}", f"model.overrides.residual_dtype={spec.residual}",
-                f"deepspeed.config=ds_configs/{spec.ds_config}.json",
+                *spec.option_overrides, f"deepspeed.config=ds_configs/{spec.ds_config}.json",
                 f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
                 # Every 5 steps: a logging step reads its metrics back (a sync), the steps between do not.
                 f"log.dir={run_dir / 'logs'}", f"log.interval={self.scale.log_interval}", "eval.interval=0"]
@@ -284,6 +285,7 @@ class Acceptance:
                 f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
                 f"{'_' + AUTOTUNE_LABELS[spec.autotune].replace(' ', '_') if spec.autotune else ''}"
                 f"{'_inductor_random' if spec.random == 'inductor' else ''}"
+                f"{''.join(f'_{name}_{value}' for name, value in spec.options)}"
                 f"{'' if spec.residual == 'fp32' else f'_{spec.residual}_residual'}"
                 f"{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")

@@ -4,6 +4,7 @@ smoke run."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -25,6 +26,11 @@ class PretrainRun:
     # is inductor's max-autotune (AUTOTUNE_LABELS)
     residual: str = "fp32"  # model.overrides.residual_dtype: "autocast" (the paper configs') keeps it in bf16
     random: str = "eager"  # train.compile_random: "inductor" draws dropout and sampling in inductor's kernels
+    options: tuple = ()  # train.compile_options as (inductor's name, value) pairs
+
+    @property
+    def option_overrides(self) -> list[str]:
+        return [f"train.compile_options.{name}={json.dumps(value)}" for name, value in self.options]
 
     @property
     def precision_label(self) -> str:
@@ -36,6 +42,7 @@ class PretrainRun:
         label = f"{label}, layers once" if self.layers_once else label
         label = f"{label}, {AUTOTUNE_LABELS[self.autotune]}" if self.autotune else label
         label = f"{label}, inductor random" if self.random == "inductor" else label
+        label = "".join([label, *(f", {name}={json.dumps(value)}" for name, value in self.options)])
         label = label if self.graph_partition else f"{label}, no partition"
         return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
 
@@ -53,7 +60,9 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 # baseline every other row of a lease is read against (leases run on different machines; 28.6% MFU on the
 # 2026-11-28 H200); the same with the fused kernels' block sizes tuned (train.compile_autotune=kernels,
 # profiled: inductor's elementwise and reduction kernels are 22.5 ms of its 63.4, the GELUs running at about
-# 2.7-3 TB/s of the H200's 4.8); small and base at seq 512 (owed to the issue); base at the acceptance's
+# 2.7-3 TB/s of the H200's 4.8); the same with inductor's combo kernels (train.compile_options.combo_kernels:
+# independent kernels launched as one, profiled: the step's 1,659 kernels under 10 us, whose count hardly
+# grows with the batch, took 4.41 ms of it); small and base at seq 512 (owed to the issue); base at the acceptance's
 # batch of 128, profiled (the baseline of the leases before; 0.90x the samples/s of batch 256); max-autotune at
 # batch 256 (profiled: what its matmul templates and fused epilogues change, the GELUs and their backwards
 # being 6.8 ms of the batch-256 step; its compile outlasted the 141 s one lease had left); the Triton conv
@@ -70,6 +79,8 @@ PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture", residual="autocast"
 GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, autotune="kernels",
                         profile=True),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256,
+                        options=(("combo_kernels", True),), profile=True),
             PretrainRun("small", "bf16", "auto", True, "step", **PAPER_PATH),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, seq=512),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),

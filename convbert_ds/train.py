@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         compiled += {False: "", "kernels": "+autotune_kernels", True: "+autotune"}[cfg.train.compile_autotune]
     if compiled != "off":
         compiled += "+inductor_random" * (cfg.train.compile_random == "inductor")
+        compiled += "".join(f"+{name}={json.dumps(value, separators=(',', ':'))}"
+                            for name, value in sorted(plan.compile_options.items()))
     # train.cuda_graphs=auto says what it chose, and why when that is not a capture by hand.
     graphs = f"cuda_graphs={plan.cuda_graphs}" + (f" (auto: {plan.cuda_graphs_why} cannot be captured)"
                                                   if plan.cuda_graphs_why else "")

@@ -51,8 +51,9 @@ def graph_settings(plan: RunPlan, stage: int) -> dict:
             "micro_batch_size": plan.micro_batch_size, "precision": plan.precision,
             "weights": {key: ds.get(key, {}).get("enabled", False) for key in ("bf16", "fp16", "torch_autocast")},
             "zero_stage": plan.zero_stage, "cuda_graphs": plan.cuda_graphs,
-            "compile": {key: value for key, value in vars(cfg.train).items()
-                        if key.startswith("compile") and not key.startswith("compile_cache")},
+            "compile": {**{key: value for key, value in vars(cfg.train).items()
+                           if key.startswith("compile") and not key.startswith("compile_cache")},
+                        "compile_options": plan.compile_options},  # by inductor's names, however spelled
             "activation_checkpointing": cfg.train.activation_checkpointing,
             "pipeline": [cfg.pipeline.stages, stage]}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from convbert_ds.config import (ConfigError, ElectraConfig, ModelConfig, generat
 from convbert_ds.data.loader import parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split, verify_checksums
 from convbert_ds.engine import distributed
-from convbert_ds.engine.compile_plan import check_compile
+from convbert_ds.engine.compile_plan import check_compile, inductor_options
 from convbert_ds.engine.pipeline import check_pipeline_ds_config
 from convbert_ds.formats.checkpoint.directory import COMPLETE, latest_complete, read_trainer_state
 from convbert_ds.formats.checkpoint.names import pipeline_layer_names
@@ -68,6 +68,8 @@ class RunPlan:
     # train.cuda_graphs resolved (inductor, capture or off: auto decided) and, when auto did not capture, why
     cuda_graphs: str = "inductor"
     cuda_graphs_why: str = ""
+    # train.compile_options by inductor's dotted names, checked (compile_plan.inductor_options)
+    compile_options: dict = field(default_factory=dict)
     # phase.continue_from resolved to one checkpoint, when this run starts from it (its own dir is empty)
     continue_from: Path | None = None
 
@@ -420,6 +422,7 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
         check_pipeline_ds_config(ds_config)
     cuda_graphs, cuda_graphs_why = check_compile(cfg, ds_config, grad_accum, cuda,
                                                  whole_fp32_grads(ds_config, cfg.pipeline.stages, precision))
+    compile_options = inductor_options(cfg)
     sets = parse_sets(cfg.data.sets)
     train_splits = [open_split(path, "train") for path, _ in sets]
     if cfg.data.verify != "size" and distributed.rank() == 0:
@@ -453,4 +456,5 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
                    electra=electra, sets=sets, tokenizer=first.tokenizer,
                    has_valid=all(_has_valid(path) for path, _ in sets), micro_batch_size=micro_batch_size,
-                   continue_from=continue_from, cuda_graphs=cuda_graphs, cuda_graphs_why=cuda_graphs_why)
+                   continue_from=continue_from, cuda_graphs=cuda_graphs, cuda_graphs_why=cuda_graphs_why,
+                   compile_options=compile_options)

@@ -87,9 +87,10 @@ class Trainer:
             probe_triton_kernels(model, torch.device("cuda", torch.cuda.current_device()), dtype)
         if t.compile and t.compile_mode == "step":
             compile_step(model, cuda_graphs=self.graphs.trees, layers_once=t.compile_layers_once,
-                         autotune=t.compile_autotune, eager_random=t.compile_random == "eager")
+                         autotune=t.compile_autotune, eager_random=t.compile_random == "eager",
+                         options=self.plan.compile_options)
         elif t.compile:
-            compile_layers(model, eager_random=t.compile_random == "eager")
+            compile_layers(model, eager_random=t.compile_random == "eager", options=self.plan.compile_options)
         return model
 
     def _build_uncompiled_model(self):

@@ -169,6 +169,11 @@ class TrainSection:
         "of its own); inductor = inductor's own Philox stream inside its fused kernels (other draws than eager's, "
         "seeded from torch's generator, whose state checkpoints keep); eager until a GPU shows inductor pays "
         "(benchmarks/gpu_acceptance.py)")] = "eager"
+    compile_options: Annotated[dict, Key(
+        "with train.compile on: more of inductor's options for the compiled code, by torch._inductor.config's "
+        "names, e.g. {combo_kernels: true} or train.compile_options.combo_kernels=true (nested names such as "
+        "triton.multi_kernel as a mapping or dotted); checked against the installed torch at start; those "
+        "that other train.compile_* keys and train.cuda_graphs set are theirs")] = field(default_factory=dict)
     compile_cache: Annotated[bool, Key(
         "with train.compile on: keep the compiled graphs (and on GPUs their kernels) in train.compile_cache_dir, "
         "written after the first step, and load them at the next start (a resume, a requeue on other nodes), "

@@ -312,7 +312,7 @@ def init_weights(module: nn.Module, std: float) -> None:
         module.reset(std)
 
 
-def compile_layers(model: nn.Module, eager_random: bool = True) -> int:
+def compile_layers(model: nn.Module, eager_random: bool = True, options: dict | None = None) -> int:
     """Put every ``ConvBertLayer`` of ``model`` through ``torch.compile`` (inductor), in place; returns how many.
 
     The layer is the unit because it is where the fusable work is (GELU, LayerNorm, bias adds, softmax
@@ -321,11 +321,11 @@ def compile_layers(model: nn.Module, eager_random: bool = True) -> int:
     discriminator's width); ``nn.Module.compile`` keeps parameter names, so checkpoints do not change.
     Masking, Gumbel sampling and the losses stay eager: their data-dependent shapes (the masked
     positions) would recompile or break the graph every step. Shapes are static: batches are fixed-size.
-    ``eager_random``: as for ``compile_step``.
+    ``eager_random`` and ``options``: as for ``compile_step``.
     """
     layers = [module for module in model.modules() if isinstance(module, ConvBertLayer)]
     for layer in layers:
-        layer.compile(dynamic=False, options=_random_stream(eager_random))
+        layer.compile(dynamic=False, options={**_random_stream(eager_random), **(options or {})})
     return len(layers)
 
 
@@ -338,7 +338,8 @@ def probe_triton_kernels(model: nn.Module, device: torch.device | str, dtype: to
 
 
 def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
-                 autotune: Literal[False, "kernels", True] = False, eager_random: bool = True) -> None:
+                 autotune: Literal[False, "kernels", True] = False, eager_random: bool = True,
+                 options: dict | None = None) -> None:
     """Put the whole forward of ``model`` (the ELECTRA step: masking, both bodies, sampling, losses) through
     ``torch.compile`` as one graph, in place: ``fullgraph=True``, so a graph break is an error, not a silent
     return of the host to the loop; its backward is compiled with it (AOTAutograd). ``cuda_graphs`` (on CUDA
@@ -369,11 +370,14 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
     eager: the same draws, so a compiled run follows the eager one (to rounding), and switching compile on
     or off at a resume keeps the random stream. Each dropout is then a kernel of its own (aten's), between
     inductor's fused kernels. Off, inductor draws them inside its fused kernels: its own Philox stream,
-    seeded from torch's generator (the same generator state, the same draws), other draws than eager's."""
+    seeded from torch's generator (the same generator state, the same draws), other draws than eager's.
+
+    ``options``: more of inductor's options (``train.compile_options``, checked by the plan: none of those
+    the other arguments set), for what a GPU lease A/Bs without a change of code (``combo_kernels``...)."""
     for body in model.modules():
         if hasattr(body, "layers_compiled_once"):
             body.layers_compiled_once = layers_once
-    options = step_inductor_options(cuda_graphs, layers_once, autotune, eager_random)
+    options = {**step_inductor_options(cuda_graphs, layers_once, autotune, eager_random), **(options or {})}
     # ``forward``, not the module's call: hooks that an engine registers on the module (DeepSpeed's timers
     # and ZeRO bookkeeping) stay eager around the graph instead of breaking it.
     model.forward = TrainingStepCompiled(model, torch.compile(model.forward, fullgraph=True, dynamic=False,

@@ -93,6 +93,22 @@ def test_the_run_without_graph_partitioning_is_skipped_once_the_partitioned_step
     assert _partitioning_captured(unpartitioned, {}) == ""  # the partitioned run is not in the list
 
 
+def test_every_gpu_row_is_a_config_the_trainer_takes(tmp_path):
+    """A GPU lease is the scarcest thing the project has: a row whose overrides name a key or an inductor
+    option that does not exist (``train.compile_options``) must fail here, not on the lent machine."""
+    from benchmarks.gpu_acceptance import GPU, GPU_RUNS, Acceptance
+    from convbert_ds.engine.compile_plan import inductor_options
+    from convbert_ds.formats.train_config import load_config
+
+    acceptance = Acceptance(GPU, tmp_path, budget_s=1)
+    for spec in GPU_RUNS:
+        args = acceptance._train_args(spec, tmp_path / "shards", tmp_path / "run", steps=10)
+        assert args[0] == "--config", args
+        cfg = load_config(args[1], args[2:])
+        assert dict(spec.options) == inductor_options(cfg), spec.compile_label
+    assert any(spec.options for spec in GPU_RUNS)
+
+
 def test_a_command_stopped_at_its_limit_says_where_it_was_and_leaves_nothing_running(tmp_path):
     """A row that hangs or compiles past its limit: its log holds the main thread's Python stack (the
     acceptance prints it beside the table), and every process under it goes, also one in a session of its

@@ -219,10 +219,10 @@ def test_check_print_and_help_modes_start_nothing(tiny_corpus, tmp_path):
     assert ok.returncode == 0 and f"checkpoint_dir={tmp_path}/ck" in ok.stdout
     assert "grad_accum=1 compile=off cuda_graphs=inductor" in ok.stdout
     once = train_cli("train.compile=true", "train.compile_mode=step", "train.compile_layers_once=true",
-                     "train.compile_autotune=kernels", "train.compile_random=inductor", "--check-config",
-                     "--world-size", "2")
-    assert once.returncode == 0 and "compile=step+layers_once+autotune_kernels+inductor_random " in once.stdout, \
-        once.stdout + once.stderr
+                     "train.compile_autotune=kernels", "train.compile_random=inductor",
+                     "train.compile_options.combo_kernels=true", "--check-config", "--world-size", "2")
+    assert once.returncode == 0, once.stdout + once.stderr
+    assert "compile=step+layers_once+autotune_kernels+inductor_random+combo_kernels=true " in once.stdout
     bad = train_cli("--check-config", "--world-size", "3")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("config error (3 processes): train.global_batch_size")
     printed = train_cli("--print-config", "--world-size", "1").stdout

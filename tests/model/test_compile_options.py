@@ -1,14 +1,19 @@
 """``train.compile_autotune``'s levels as inductor options (``step_inductor_options``): every option set is one
 torch.compile takes, and ``kernels`` tunes inductor's own kernels without max-autotune's matmul templates
 (the minutes of compiling that did not finish in a GPU lease). What the tuning gains is measured on a GPU
-(``benchmarks/gpu_acceptance.py``, the pretraining part's second row); on CPU it changes nothing."""
+(``benchmarks/gpu_acceptance.py``, the pretraining part's second row); on CPU it changes nothing.
+
+``train.compile_options``: the rest of inductor's options, checked against the installed torch when the run
+is planned, and handed to both compile modes."""
 
 import pytest
 import torch
+from torch import nn
 
-from convbert_ds.config import ConfigError
+from convbert_ds.config import ConfigError, preset
+from convbert_ds.engine.compile_plan import inductor_options
 from convbert_ds.formats.train_config import load_config
-from convbert_ds.model.layers import step_inductor_options
+from convbert_ds.model.layers import ConvBertLayer, compile_layers, compile_step, step_inductor_options
 from launch import REPO
 
 LEVELS = (False, "kernels", True)
@@ -39,3 +44,60 @@ def test_the_config_takes_each_level_by_its_yaml_spelling_and_names_the_choices_
     for bad in ("1", "kernel"):  # YAML's 1 is an int, not true
         with pytest.raises(ConfigError, match=r"train.compile_autotune=.*use one of \[False, 'kernels', True\]"):
             load_config(config, [f"train.compile_autotune={bad}"])
+
+
+# train.compile_options: more of inductor's options, checked by the plan (engine/compile_plan.py) ---------------
+
+def _options(*overrides):
+    return inductor_options(load_config(REPO / "configs" / "tiny_cpu.yaml", list(overrides)))
+
+
+def test_options_are_taken_by_inductors_names_dotted_or_nested():
+    assert _options() == {}
+    assert _options("train.compile_options.combo_kernels=true") == {"combo_kernels": True}
+    assert _options("train.compile_options.triton.multi_kernel=1") == {"triton.multi_kernel": 1}
+    assert _options("train.compile_options={'triton.multi_kernel': 1, cpp: {simdlen: 8}, max_fusion_size: 8}") == {
+        "triton.multi_kernel": 1, "cpp.simdlen": 8, "max_fusion_size": 8}
+    assert _options("train.compile_options.score_fusion_memory_threshold=3") == {"score_fusion_memory_threshold": 3}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("combo_kernel=true", r"combo_kernel=True: torch .*'s inductor has no option 'combo_kernel'; did you mean "
+                          r"combo_kernels\b"),
+    ("no_such_thing=1", r"no_such_thing=1: torch .* no option 'no_such_thing'; "
+                        r"torch._inductor.list_options\(\) lists them"),
+    ("combo_kernels=1", r"combo_kernels=1: this option's values are of type bool, like its default False"),
+    ("max_fusion_size=true", r"max_fusion_size=True: this option's values are of type int"),
+    ("fallback_random=false", r"fallback_random=False: train.compile_random sets this option; use that key"),
+    ("triton={cudagraphs: true}", r"triton.cudagraphs=True: train.cuda_graphs sets this option"),
+    ("max_autotune=true", r"max_autotune=True: train.compile_autotune sets this option"),
+    ("allow_buffer_reuse=true", r"allow_buffer_reuse=True: train.compile_layers_once sets this option"),
+])
+def test_a_wrong_option_names_the_key_the_value_and_the_fix(override, message):
+    with pytest.raises(ConfigError, match=r"^train.compile_options." + message):
+        _options(f"train.compile_options.{override}")
+
+
+def test_the_options_reach_inductor_in_both_compile_modes():
+    """Real compiles of one tiny layer, forward and backward, counted by inductor itself: ``max_fusion_size: 1``
+    (at most one op a fused kernel) launches more kernels than the default, through ``compile_step`` (the
+    paper configs' mode; any module will do) and through ``compile_layers`` alike."""
+    from benchmarks.inductor_count import compiled_counts
+
+    def kernels(compile_, options) -> int:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layer = ConvBertLayer(preset("tiny"))
+        compile_(layer, options)
+        x = torch.randn(2, 16, layer.output.dense.out_features, requires_grad=True)
+        return compiled_counts("layer", lambda: layer(x).sum().backward())["kernels"]
+
+    def step(layer, options):
+        compile_step(layer, cuda_graphs=False, options=options)
+
+    def layers(layer, options):
+        assert compile_layers(nn.ModuleList([layer]), options=options) == 1
+
+    unfused = kernels(step, {"max_fusion_size": 1})
+    assert unfused > kernels(step, {})
+    assert kernels(layers, {"max_fusion_size": 1}) == unfused

@@ -61,6 +61,14 @@ def test_options_are_taken_by_inductors_names_dotted_or_nested():
     assert _options("train.compile_options.score_fusion_memory_threshold=3") == {"score_fusion_memory_threshold": 3}
 
 
+def test_every_option_another_key_sets_is_refused_in_compile_options():
+    """The plan's list of the options that other keys set is the list ``compile_step`` sets with all of them on."""
+    from convbert_ds.engine.compile_plan import _OPTIONS_OWNED
+
+    everything = step_inductor_options(cuda_graphs=True, layers_once=True, autotune=True, eager_random=True)
+    assert set(_OPTIONS_OWNED) == set(everything)
+
+
 @pytest.mark.parametrize("override, message", [
     ("combo_kernel=true", r"combo_kernel=True: torch .*'s inductor has no option 'combo_kernel'; did you mean "
                           r"combo_kernels\b"),

@@ -272,7 +272,8 @@ class Acceptance:
                 f"train.compile_layers_once={str(spec.layers_once).lower()}",
                 f"train.compile_autotune={str(spec.autotune).lower()}", f"train.compile_random={spec.random}",
                 f"model.overrides.sdconv_impl={spec.sdconv}", f"model.overrides.residual_dtype={spec.residual}",
-                *spec.option_overrides, f"deepspeed.config=ds_configs/{spec.ds_config}.json",
+                *(f"train.compile_options.{text}" for text in spec.option_texts),
+                f"deepspeed.config=ds_configs/{spec.ds_config}.json",
                 f"checkpoint.dir={run_dir / 'checkpoints'}", f"checkpoint.interval={steps}",
                 # Every 5 steps: a logging step reads its metrics back (a sync), the steps between do not.
                 f"log.dir={run_dir / 'logs'}", f"log.interval={self.scale.log_interval}", "eval.interval=0"]
@@ -285,7 +286,7 @@ class Acceptance:
                 f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
                 f"{'_' + AUTOTUNE_LABELS[spec.autotune].replace(' ', '_') if spec.autotune else ''}"
                 f"{'_inductor_random' if spec.random == 'inductor' else ''}"
-                f"{''.join(f'_{name}_{value}' for name, value in spec.options)}"
+                f"{''.join('_' + re.sub(r'[^A-Za-z0-9.]+', '_', text) for text in spec.option_texts)}"
                 f"{'' if spec.residual == 'fp32' else f'_{spec.residual}_residual'}"
                 f"{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")

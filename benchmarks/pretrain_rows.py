@@ -4,8 +4,9 @@ smoke run."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from convbert_ds.engine.compile_options import option_text
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,9 @@ class PretrainRun:
     options: tuple = ()  # train.compile_options as (inductor's name, value) pairs
 
     @property
-    def option_overrides(self) -> list[str]:
-        return [f"train.compile_options.{name}={json.dumps(value)}" for name, value in self.options]
+    def option_texts(self) -> list[str]:
+        """Each of ``options`` as ``name=value``: the overrides (``train.compile_options.`` before it), the label."""
+        return [option_text(name, value) for name, value in self.options]
 
     @property
     def precision_label(self) -> str:
@@ -42,7 +44,7 @@ class PretrainRun:
         label = f"{label}, layers once" if self.layers_once else label
         label = f"{label}, {AUTOTUNE_LABELS[self.autotune]}" if self.autotune else label
         label = f"{label}, inductor random" if self.random == "inductor" else label
-        label = "".join([label, *(f", {name}={json.dumps(value)}" for name, value in self.options)])
+        label = ", ".join([label, *self.option_texts])
         label = label if self.graph_partition else f"{label}, no partition"
         return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from convbert_ds.engine import distributed
+from convbert_ds.engine.compile_options import option_text
 from convbert_ds.engine.plan import RunPlan, build_ds_config, host_sync_warnings, resolve
 from convbert_ds.formats.train_config import describe_keys, load_config
 from convbert_ds.engine.trainer import EXIT_PREEMPTED, Preemption, Trainer, TrainingError
@@ -86,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         compiled += {False: "", "kernels": "+autotune_kernels", True: "+autotune"}[cfg.train.compile_autotune]
     if compiled != "off":
         compiled += "+inductor_random" * (cfg.train.compile_random == "inductor")
-        compiled += "".join(f"+{name}={json.dumps(value, separators=(',', ':'))}"
-                            for name, value in sorted(plan.compile_options.items()))
+        compiled += "".join(f"+{option_text(name, value)}" for name, value in sorted(plan.compile_options.items()))
     # train.cuda_graphs=auto says what it chose, and why when that is not a capture by hand.
     graphs = f"cuda_graphs={plan.cuda_graphs}" + (f" (auto: {plan.cuda_graphs_why} cannot be captured)"
                                                   if plan.cuda_graphs_why else "")

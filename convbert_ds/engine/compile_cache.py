@@ -51,11 +51,12 @@ def graph_settings(plan: RunPlan, stage: int) -> dict:
             "micro_batch_size": plan.micro_batch_size, "precision": plan.precision,
             "weights": {key: ds.get(key, {}).get("enabled", False) for key in ("bf16", "fp16", "torch_autocast")},
             "zero_stage": plan.zero_stage, "cuda_graphs": plan.cuda_graphs,
-            "compile": {**{key: value for key, value in vars(cfg.train).items()
-                           if key.startswith("compile") and not key.startswith("compile_cache")},
-                        "compile_options": plan.compile_options},  # by inductor's names, however spelled
+            "compile": {key: value for key, value in vars(cfg.train).items()
+                        if key.startswith("compile") and not key.startswith(("compile_cache", "compile_options"))},
             "activation_checkpointing": cfg.train.activation_checkpointing,
-            "pipeline": [cfg.pipeline.stages, stage]}
+            "pipeline": [cfg.pipeline.stages, stage],
+            # by inductor's names, however spelled; only when set, so the names of files written before stay
+            **({"compile_options": plan.compile_options} if plan.compile_options else {})}
 
 
 def _name_part(text: str) -> str:

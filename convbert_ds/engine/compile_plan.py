@@ -1,13 +1,8 @@
 """The plan's part for ``train.compile`` and ``train.cuda_graphs``: what would split the compiled step's one
-graph or break its capture as CUDA graphs is refused before any process group starts,
-``cuda_graphs: auto`` is decided here, once, and ``train.compile_options`` is checked against the installed
-torch's inductor."""
+graph or break its capture as CUDA graphs is refused before any process group starts, and
+``cuda_graphs: auto`` is decided here, once."""
 
 from __future__ import annotations
-
-import difflib
-
-import torch
 
 from convbert_ds.config import ConfigError
 from convbert_ds.formats.train_config import TrainConfig
@@ -65,51 +60,3 @@ def _capture_refusals(cfg: TrainConfig, stage: int, grad_accum: int, whole_grads
                 "train.micro_batch_size to train.global_batch_size / ranks, use a ZeRO-0 file with fp32 weights "
                 f"(ds_configs/zero0_autocast_bf16.json, where the captured step adds them up itself), or {other}")]
     return [(setting, reason) for refuse, setting, reason in refused if refuse]
-
-
-# The inductor options that other keys set (``model/layers.py``'s ``step_inductor_options``), and those keys.
-_OPTIONS_OWNED = {"triton.cudagraphs": "train.cuda_graphs", "fallback_random": "train.compile_random",
-                  "max_autotune": "train.compile_autotune", "max_autotune_pointwise": "train.compile_autotune",
-                  "coordinate_descent_tuning": "train.compile_autotune",
-                  "allow_buffer_reuse": "train.compile_layers_once"}
-
-
-def inductor_options(cfg: TrainConfig) -> dict:
-    """``train.compile_options`` by inductor's own (dotted) names: each a name this torch's inductor knows,
-    with a value of its default's type, and none that another key sets. A mapping under a dotted prefix
-    (``{triton: {multi_kernel: 1}}``) is that name (``triton.multi_kernel``)."""
-    import torch._inductor.config as inductor_config
-
-    known = inductor_config.get_config_copy()
-    options: dict = {}
-
-    def take(mapping: dict, prefix: str) -> None:
-        for key, value in mapping.items():
-            name = f"{prefix}{key}"
-            if name not in known and isinstance(value, dict):
-                take(value, f"{name}.")
-                continue
-            where = f"train.compile_options.{name}={value!r}"
-            if name not in known:
-                near = difflib.get_close_matches(name, known, n=3)
-                raise ConfigError(f"{where}: torch {torch.__version__}'s inductor has no option {name!r}"
-                                  + (f"; did you mean {', '.join(near)}?" if near else
-                                     "; torch._inductor.list_options() lists them"))
-            if name in _OPTIONS_OWNED:
-                raise ConfigError(f"{where}: {_OPTIONS_OWNED[name]} sets this option; use that key")
-            _check_option_type(where, value, known[name])
-            options[name] = value
-
-    take(cfg.train.compile_options, "")
-    return options
-
-
-def _check_option_type(where: str, value, default) -> None:
-    """``value`` of the type of the option's ``default`` (any, when the default is None)."""
-    if default is None:
-        return
-    wanted = (int, float) if type(default) is float else type(default)
-    if isinstance(value, wanted) and (isinstance(value, bool) == isinstance(default, bool)):
-        return
-    raise ConfigError(f"{where}: this option's values are of type {type(default).__name__}, like its default "
-                      f"{default!r}")

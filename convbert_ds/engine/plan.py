@@ -21,7 +21,8 @@ from convbert_ds.config import (ConfigError, ElectraConfig, ModelConfig, generat
 from convbert_ds.data.loader import parse_sets
 from convbert_ds.data.shards import check_same_tokenizer, open_split, verify_checksums
 from convbert_ds.engine import distributed
-from convbert_ds.engine.compile_plan import check_compile, inductor_options
+from convbert_ds.engine.compile_options import inductor_options
+from convbert_ds.engine.compile_plan import check_compile
 from convbert_ds.engine.pipeline import check_pipeline_ds_config
 from convbert_ds.formats.checkpoint.directory import COMPLETE, latest_complete, read_trainer_state
 from convbert_ds.formats.checkpoint.names import pipeline_layer_names
@@ -68,7 +69,7 @@ class RunPlan:
     # train.cuda_graphs resolved (inductor, capture or off: auto decided) and, when auto did not capture, why
     cuda_graphs: str = "inductor"
     cuda_graphs_why: str = ""
-    # train.compile_options by inductor's dotted names, checked (compile_plan.inductor_options)
+    # train.compile_options by inductor's dotted names, checked (compile_options.inductor_options)
     compile_options: dict = field(default_factory=dict)
     # phase.continue_from resolved to one checkpoint, when this run starts from it (its own dir is empty)
     continue_from: Path | None = None

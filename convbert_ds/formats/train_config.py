@@ -172,8 +172,9 @@ class TrainSection:
     compile_options: Annotated[dict, Key(
         "with train.compile on: more of inductor's options for the compiled code, by torch._inductor.config's "
         "names, e.g. {combo_kernels: true} or train.compile_options.combo_kernels=true (nested names such as "
-        "triton.multi_kernel as a mapping or dotted); checked against the installed torch at start; those "
-        "that other train.compile_* keys and train.cuda_graphs set are theirs")] = field(default_factory=dict)
+        "triton.multi_kernel as a mapping or dotted); checked against the installed torch at start (names, "
+        "types); those that other train.compile_* keys and train.cuda_graphs set are theirs "
+        "(convbert_ds/engine/compile_options.py)")] = field(default_factory=dict)
     compile_cache: Annotated[bool, Key(
         "with train.compile on: keep the compiled graphs (and on GPUs their kernels) in train.compile_cache_dir, "
         "written after the first step, and load them at the next start (a resume, a requeue on other nodes), "

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from convbert_ds.config import ConfigError, preset
-from convbert_ds.engine.compile_plan import inductor_options
+from convbert_ds.engine.compile_options import OPTIONS_OWNED, inductor_options
 from convbert_ds.formats.train_config import load_config
 from convbert_ds.model.layers import ConvBertLayer, compile_layers, compile_step, step_inductor_options
 from launch import REPO
@@ -46,27 +46,36 @@ def test_the_config_takes_each_level_by_its_yaml_spelling_and_names_the_choices_
             load_config(config, [f"train.compile_autotune={bad}"])
 
 
-# train.compile_options: more of inductor's options, checked by the plan (engine/compile_plan.py) ---------------
+# train.compile_options: more of inductor's options, checked by the plan (engine/compile_options.py) ------------
 
-def _options(*overrides):
-    return inductor_options(load_config(REPO / "configs" / "tiny_cpu.yaml", list(overrides)))
+def _options(*overrides, mode="step"):
+    return inductor_options(load_config(REPO / "configs" / "tiny_cpu.yaml",
+                                        [f"train.compile_mode={mode}", *overrides]))
 
 
-def test_options_are_taken_by_inductors_names_dotted_or_nested():
+def test_options_are_taken_by_inductors_names_dotted_or_nested_and_torch_compile_takes_them():
     assert _options() == {}
     assert _options("train.compile_options.combo_kernels=true") == {"combo_kernels": True}
     assert _options("train.compile_options.triton.multi_kernel=1") == {"triton.multi_kernel": 1}
-    assert _options("train.compile_options={'triton.multi_kernel': 1, cpp: {simdlen: 8}, max_fusion_size: 8}") == {
-        "triton.multi_kernel": 1, "cpp.simdlen": 8, "max_fusion_size": 8}
-    assert _options("train.compile_options.score_fusion_memory_threshold=3") == {"score_fusion_memory_threshold": 3}
+    options = _options("train.compile_options={'triton.multi_kernel': 1, cpp: {simdlen: 8}, max_fusion_size: 8, "
+                       "min_overlap_ratio: 1, realize_opcount_threshold: 30, combo_kernels: true}")
+    assert options == {"triton.multi_kernel": 1, "cpp.simdlen": 8, "max_fusion_size": 8, "min_overlap_ratio": 1.0,
+                       "realize_opcount_threshold": 30, "combo_kernels": True}
+    assert type(options["min_overlap_ratio"]) is float  # YAML's 1 for a float option: torch.compile wants a float
+    torch._dynamo.reset()
+    double = torch.compile(lambda x: 2 * x, fullgraph=True, dynamic=False, options=options)
+    assert torch.equal(double(torch.arange(4.0)), torch.arange(0.0, 8.0, 2.0))  # a wrong type would raise
 
 
-def test_every_option_another_key_sets_is_refused_in_compile_options():
-    """The plan's list of the options that other keys set is the list ``compile_step`` sets with all of them on."""
-    from convbert_ds.engine.compile_plan import _OPTIONS_OWNED
-
+def test_the_options_other_keys_set_are_refused_by_compile_mode():
+    """In the step mode, what ``compile_step`` sets with every key on; in the layers mode, only what
+    ``compile_layers`` sets (and the CUDA graphs, train.cuda_graphs's): max-autotune is then the user's."""
     everything = step_inductor_options(cuda_graphs=True, layers_once=True, autotune=True, eager_random=True)
-    assert set(_OPTIONS_OWNED) == set(everything)
+    assert set(OPTIONS_OWNED["step"]) == set(everything)
+    assert _options("train.compile_options.max_autotune=true", mode="layers") == {"max_autotune": True}
+    with pytest.raises(ConfigError, match=r"fallback_random=True: train.compile_random sets this option "
+                                          r"\(train.compile_mode=layers\); use that key"):
+        _options("train.compile_options.fallback_random=true", mode="layers")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -74,16 +83,25 @@ def test_every_option_another_key_sets_is_refused_in_compile_options():
                           r"combo_kernels\b"),
     ("no_such_thing=1", r"no_such_thing=1: torch .* no option 'no_such_thing'; "
                         r"torch._inductor.list_options\(\) lists them"),
-    ("combo_kernels=1", r"combo_kernels=1: this option's values are of type bool, like its default False"),
-    ("max_fusion_size=true", r"max_fusion_size=True: this option's values are of type int"),
-    ("fallback_random=false", r"fallback_random=False: train.compile_random sets this option; use that key"),
+    ("combo_kernels=1", r"combo_kernels=1: this option takes bool, not int$"),
+    ("max_fusion_size=true", r"max_fusion_size=True: this option takes int, not bool$"),
+    ("triton.multi_kernel=5", r"triton.multi_kernel=5: use one of \[0, 1, 2, 3\]$"),
+    ("realize_opcount_threshold=high", r"realize_opcount_threshold='high': this option takes int \| None, not str$"),
+    ("post_grad_custom_pre_pass=my_pass", r"post_grad_custom_pre_pass='my_pass': this option takes .*Callable.*, "
+                                          r"not str$"),
+    ("fallback_random=false", r"fallback_random=False: train.compile_random sets this option "
+                              r"\(train.compile_mode=step\); use that key"),
     ("triton={cudagraphs: true}", r"triton.cudagraphs=True: train.cuda_graphs sets this option"),
     ("max_autotune=true", r"max_autotune=True: train.compile_autotune sets this option"),
     ("allow_buffer_reuse=true", r"allow_buffer_reuse=True: train.compile_layers_once sets this option"),
+    ("{triton: {multi_kernel: 1}, 'triton.multi_kernel': 2}", r"triton.multi_kernel=2: triton.multi_kernel is given "
+                                                               r"twice, dotted and nested .*; spell it one way"),
 ])
 def test_a_wrong_option_names_the_key_the_value_and_the_fix(override, message):
+    assignment = f"train.compile_options={override}" if override.startswith("{") else \
+        f"train.compile_options.{override}"
     with pytest.raises(ConfigError, match=r"^train.compile_options." + message):
-        _options(f"train.compile_options.{override}")
+        _options(assignment)
 
 
 def test_the_options_reach_inductor_in_both_compile_modes():

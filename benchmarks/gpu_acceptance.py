@@ -62,6 +62,7 @@ from pathlib import Path
 from benchmarks.limited_run import run_group, where_it_stopped
 from benchmarks.pretrain_rows import AUTOCAST, AUTOTUNE_LABELS, CPU_SMOKE_RUNS, GPU_RUNS, PretrainRun
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.fsutil import file_name_part
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
@@ -286,7 +287,7 @@ class Acceptance:
                 f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
                 f"{'_' + AUTOTUNE_LABELS[spec.autotune].replace(' ', '_') if spec.autotune else ''}"
                 f"{'_inductor_random' if spec.random == 'inductor' else ''}"
-                f"{''.join('_' + re.sub(r'[^A-Za-z0-9.]+', '_', text) for text in spec.option_texts)}"
+                f"{''.join('_' + file_name_part(text) for text in spec.option_texts)}"
                 f"{'' if spec.residual == 'fp32' else f'_{spec.residual}_residual'}"
                 f"{'' if spec.graph_partition else '_no_partition'}"
                 f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from convbert_ds.engine.compile_options import option_text
+from convbert_ds.formats.train_config import option_text
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -123,3 +124,8 @@ def truncate_jsonl(path: Path, step: int) -> None:
                 if line.strip() and json.loads(line).get("step", 0) <= step]
         path.write_text("".join(line + "\n" for line in kept))
 
+
+def file_name_part(text: str) -> str:
+    """``text`` as one field of a file or directory name: runs of anything but letters, digits and dots
+    become one ``_`` (so ``-`` stays free to separate the fields)."""
+    return re.sub(r"[^A-Za-z0-9.]+", "_", text)

@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 
 from convbert_ds.engine import distributed
-from convbert_ds.engine.compile_options import option_text
 from convbert_ds.engine.plan import RunPlan, build_ds_config, host_sync_warnings, resolve
-from convbert_ds.formats.train_config import describe_keys, load_config
+from convbert_ds.formats.train_config import describe_keys, load_config, option_text
 from convbert_ds.engine.trainer import EXIT_PREEMPTED, Preemption, Trainer, TrainingError
 from convbert_ds.cli import ArgumentParser, bounded
 from convbert_ds.errors import EXIT_USER_ERROR, UserError

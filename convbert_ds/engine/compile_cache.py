@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 
 import torch
 
 from convbert_ds.engine.plan import RunPlan
-from convbert_ds.fsutil import write_bytes_atomically
+from convbert_ds.fsutil import file_name_part, write_bytes_atomically
 from convbert_ds.model.layers import compiled_graph_count
 
 
@@ -59,23 +58,18 @@ def graph_settings(plan: RunPlan, stage: int) -> dict:
             **({"compile_options": plan.compile_options} if plan.compile_options else {})}
 
 
-def _name_part(text: str) -> str:
-    """``text`` as one dash-free field of a file name."""
-    return re.sub(r"[^A-Za-z0-9.]+", "_", text)
-
-
 def device_label() -> str:
     """The device part of a cache file's name: compiled kernels are built for one GPU architecture (or CPU
     vector ISA) and one torch."""
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        return _name_part(f"{torch.cuda.get_device_name()}-sm{major}{minor}")
-    return _name_part(f"cpu_{torch.backends.cpu.get_cpu_capability()}")
+        return file_name_part(f"{torch.cuda.get_device_name()}-sm{major}{minor}")
+    return file_name_part(f"cpu_{torch.backends.cpu.get_cpu_capability()}")
 
 
 def cache_file(directory: Path, settings: dict, stage: int) -> Path:
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return directory / f"torch-{_name_part(torch.__version__)}-{device_label()}-stage{stage}-{digest}.bin"
+    return directory / f"torch-{file_name_part(torch.__version__)}-{device_label()}-stage{stage}-{digest}.bin"
 
 
 def inductor_cache_use() -> tuple[int, int]:

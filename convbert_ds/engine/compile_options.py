@@ -1,18 +1,16 @@
 """``train.compile_options``: more of inductor's options for the compiled code, checked against the installed
 torch when the run is planned, before any process starts, rather than by ``torch.compile`` at the first step
-(after the process group, the data and the engine).
+(after the process group, the data and the engine), whose own check stops at the outer type.
 
 Each option is named as ``torch._inductor.config`` names it (``combo_kernels``, ``triton.multi_kernel``),
-dotted or nested under its prefix, and its value must be of the option's declared type: an int is a float
-option's value, a list a tuple option's, and an option whose type a config file cannot give (a callable, a
-graph pass) is refused. The options that other keys set are theirs.
+dotted or nested under its prefix, and its value must be of the option's declared type, item by item: an
+int is taken for a float, a list for a tuple; a ``Literal``'s choices are checked; a callable (a graph pass)
+cannot come from a config file. The options that other keys set are theirs.
 """
 
 from __future__ import annotations
 
-import collections.abc
 import difflib
-import json
 import types
 import typing
 
@@ -21,8 +19,10 @@ import torch
 from convbert_ds.config import ConfigError
 from convbert_ds.formats.train_config import TrainConfig
 
-# The inductor options that other keys set in each compile mode (``model/layers.py``: ``step_inductor_options``
-# for the step, ``compile_layers`` for the layers), and those keys.
+# The inductor options that other keys decide, in each compile mode, and those keys: what ``compile_step``
+# sets (``model/layers.py``: ``step_inductor_options``) and what ``compile_layers`` sets (the random stream).
+# CUDA graphs are train.cuda_graphs's in both: inductor's own, per compiled layer, would clash with a capture
+# of the whole step by hand.
 _OWNED_IN_BOTH = {"triton.cudagraphs": "train.cuda_graphs", "fallback_random": "train.compile_random"}
 OPTIONS_OWNED = {"step": {**_OWNED_IN_BOTH, "max_autotune": "train.compile_autotune",
                           "max_autotune_pointwise": "train.compile_autotune",
@@ -38,7 +38,9 @@ def inductor_options(cfg: TrainConfig) -> dict:
         return {}  # without importing inductor (about a second)
     import torch._inductor.config as inductor_config
 
-    known, owned = inductor_config.get_config_copy(), OPTIONS_OWNED[cfg.train.compile_mode]
+    known = {name: value for name, value in inductor_config.get_config_copy().items()
+             if name != "TYPE_CHECKING" and not any(part.startswith("_") for part in name.split("."))}
+    owned = OPTIONS_OWNED[cfg.train.compile_mode]
     options: dict = {}
 
     def take(mapping: dict, prefix: str) -> None:
@@ -54,51 +56,60 @@ def inductor_options(cfg: TrainConfig) -> dict:
                                   + (f"; did you mean {', '.join(near)}?" if near else
                                      "; torch._inductor.list_options() lists them"))
             if name in owned:
-                raise ConfigError(f"{where}: {owned[name]} sets this option "
+                raise ConfigError(f"{where}: {owned[name]} decides this option "
                                   f"(train.compile_mode={cfg.train.compile_mode}); use that key")
             if name in options:
-                raise ConfigError(f"{where}: {name} is given twice, dotted and nested under its prefix (in the "
-                                  "file or the overrides); spell it one way")
-            options[name] = _option_value(where, value, inductor_config.get_type(name))
+                raise ConfigError(f"{where}: {name} is given twice, dotted and nested under its prefix; in a "
+                                  "file, nest it (as a dotted override on the command line nests it), once")
+            declared = getattr(inductor_config, "get_type", None)  # torch < 2.6: the default's type
+            options[name] = _option_value(where, value, declared(name) if declared else type(known[name]))
 
     take(cfg.train.compile_options, "")
     return options
 
 
-def option_text(name: str, value) -> str:
-    """One option as the start line and the benchmarks' labels show it: ``combo_kernels=true``."""
-    return f"{name}={json.dumps(value, separators=(',', ':'))}"
-
-
 def _option_value(where: str, value, kind):
-    """``value`` as an option of type ``kind`` takes it (an int as a float, a list as a tuple), or a
-    ConfigError that says what the option takes."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    """``value`` as an option of type ``kind`` takes it (an int as a float, a list as a tuple; items checked
+    too), or a ConfigError that says what the option takes."""
+    origin, args = typing.get_origin(kind) or kind, typing.get_args(kind)
     if kind is typing.Any:
         return value
-    if origin is typing.Literal:
+    if kind is None or kind is type(None):  # typing writes None as NoneType in a Union, not in tuple[None, str]
+        if value is None:
+            return value
+    elif origin is typing.Literal:
         if any(value == choice and type(value) is type(choice) for choice in args):
             return value
-        raise ConfigError(f"{where}: use one of {list(args)}")
-    if origin in (typing.Union, types.UnionType):
+    elif origin in (typing.Union, types.UnionType):
         for member in args:
             try:
                 return _option_value(where, value, member)
             except ConfigError:
                 continue
-    elif kind is type(None):
-        if value is None:
-            return value
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-    elif origin is not None and origin is not collections.abc.Callable:
-        value = tuple(value) if origin is tuple and isinstance(value, list) else value
-        if isinstance(value, origin):
-            return value
+    elif origin in (list, tuple, set, frozenset, dict):
+        return _container_value(where, tuple(value) if origin is tuple and isinstance(value, list) else value,
+                                origin, args)
     elif isinstance(kind, type) and isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
         return value
-    raise ConfigError(f"{where}: this option takes {_type_text(kind)}, not {type(value).__name__}")
+    raise ConfigError(f"{where}: this option takes {_type_text(kind)}; {value!r} is not one"
+                      + (" (a callable cannot come from a config file)" if "Callable" in _type_text(kind) else ""))
+
+
+def _container_value(where: str, value, container: type, args: tuple):
+    if not isinstance(value, container):
+        raise ConfigError(f"{where}: this option takes a {container.__name__}; {value!r} is not one")
+    if not args:
+        return value
+    if container is dict:
+        return {_option_value(where, key, args[0]): _option_value(where, item, args[1]) for key, item in value.items()}
+    if container is tuple and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise ConfigError(f"{where}: this option takes {len(args)} items; {value!r} has {len(value)}")
+        return tuple(_option_value(where, item, arg) for item, arg in zip(value, args))
+    return container(_option_value(where, item, args[0]) for item in value)
 
 
 def _type_text(kind) -> str:

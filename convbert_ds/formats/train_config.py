@@ -421,6 +421,13 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def option_text(name: str, value) -> str:
+    """``name=value`` as an override (``train.compile_options.`` + this) writes it, so that it loads back as
+    ``value``: YAML's spelling (``true``, ``1.0e-05``, which JSON would write ``1e-05``, a string to YAML)."""
+    plain = json.loads(json.dumps(value))  # tuples as lists: YAML's safe writer has no tuple
+    return f"{name}={yaml.safe_dump([plain], default_flow_style=True, width=10**9).strip()[1:-1]}"
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> TrainConfig:
     values: dict = {}
     if path is not None:

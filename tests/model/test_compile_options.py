@@ -12,7 +12,7 @@ from torch import nn
 
 from convbert_ds.config import ConfigError, preset
 from convbert_ds.engine.compile_options import OPTIONS_OWNED, inductor_options
-from convbert_ds.formats.train_config import load_config
+from convbert_ds.formats.train_config import load_config, option_text
 from convbert_ds.model.layers import ConvBertLayer, compile_layers, compile_step, step_inductor_options
 from launch import REPO
 
@@ -73,9 +73,11 @@ def test_the_options_other_keys_set_are_refused_by_compile_mode():
     everything = step_inductor_options(cuda_graphs=True, layers_once=True, autotune=True, eager_random=True)
     assert set(OPTIONS_OWNED["step"]) == set(everything)
     assert _options("train.compile_options.max_autotune=true", mode="layers") == {"max_autotune": True}
-    with pytest.raises(ConfigError, match=r"fallback_random=True: train.compile_random sets this option "
+    with pytest.raises(ConfigError, match=r"fallback_random=True: train.compile_random decides this option "
                                           r"\(train.compile_mode=layers\); use that key"):
         _options("train.compile_options.fallback_random=true", mode="layers")
+    with pytest.raises(ConfigError, match=r"triton.cudagraphs=True: train.cuda_graphs decides this option"):
+        _options("train.compile_options.triton.cudagraphs=true", mode="layers")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -83,25 +85,39 @@ def test_the_options_other_keys_set_are_refused_by_compile_mode():
                           r"combo_kernels\b"),
     ("no_such_thing=1", r"no_such_thing=1: torch .* no option 'no_such_thing'; "
                         r"torch._inductor.list_options\(\) lists them"),
-    ("combo_kernels=1", r"combo_kernels=1: this option takes bool, not int$"),
-    ("max_fusion_size=true", r"max_fusion_size=True: this option takes int, not bool$"),
-    ("triton.multi_kernel=5", r"triton.multi_kernel=5: use one of \[0, 1, 2, 3\]$"),
-    ("realize_opcount_threshold=high", r"realize_opcount_threshold='high': this option takes int \| None, not str$"),
-    ("post_grad_custom_pre_pass=my_pass", r"post_grad_custom_pre_pass='my_pass': this option takes .*Callable.*, "
-                                          r"not str$"),
-    ("fallback_random=false", r"fallback_random=False: train.compile_random sets this option "
+    ("_raise_error_for_testing=true", r"_raise_error_for_testing=True: torch .* no option"),  # private
+    ("combo_kernels=1", r"combo_kernels=1: this option takes bool; 1 is not one$"),
+    ("max_fusion_size=true", r"max_fusion_size=True: this option takes int; True is not one$"),
+    ("triton.multi_kernel=5", r"triton.multi_kernel=5: this option takes Literal\[0, 1, 2, 3\]; 5 is not one$"),
+    ("realize_opcount_threshold=high", r"realize_opcount_threshold='high': this option takes int \| None; 'high' "),
+    ("multi_kernel_hints=[8, x]", r"multi_kernel_hints=\[8, 'x'\]: this option takes int; 'x' is not one$"),
+    ("cpp.cxx=[null]", r"cpp.cxx=\[None\]: this option takes 2 items; \(None,\) has 1$"),
+    ("post_grad_custom_pre_pass=my_pass", r"post_grad_custom_pre_pass='my_pass': this option takes .*Callable.*; "
+                                          r"'my_pass' is not one \(a callable cannot come from a config file\)$"),
+    ("fallback_random=false", r"fallback_random=False: train.compile_random decides this option "
                               r"\(train.compile_mode=step\); use that key"),
-    ("triton={cudagraphs: true}", r"triton.cudagraphs=True: train.cuda_graphs sets this option"),
-    ("max_autotune=true", r"max_autotune=True: train.compile_autotune sets this option"),
-    ("allow_buffer_reuse=true", r"allow_buffer_reuse=True: train.compile_layers_once sets this option"),
+    ("triton={cudagraphs: true}", r"triton.cudagraphs=True: train.cuda_graphs decides this option"),
+    ("max_autotune=true", r"max_autotune=True: train.compile_autotune decides this option"),
+    ("allow_buffer_reuse=true", r"allow_buffer_reuse=True: train.compile_layers_once decides this option"),
     ("{triton: {multi_kernel: 1}, 'triton.multi_kernel': 2}", r"triton.multi_kernel=2: triton.multi_kernel is given "
-                                                               r"twice, dotted and nested .*; spell it one way"),
+                                                               r"twice, dotted and nested under its prefix; in a file, "
+                                                               r"nest it"),
 ])
 def test_a_wrong_option_names_the_key_the_value_and_the_fix(override, message):
     assignment = f"train.compile_options={override}" if override.startswith("{") else \
         f"train.compile_options.{override}"
     with pytest.raises(ConfigError, match=r"^train.compile_options." + message):
         _options(assignment)
+
+
+@pytest.mark.parametrize("name, value", [("combo_kernels", True), ("max_fusion_size", 8), ("min_overlap_ratio", 1e-5),
+                                         ("realize_opcount_threshold", None), ("cpp.cxx", (None, "g++")),
+                                         ("multi_kernel_hints", [8, 16])])
+def test_an_option_as_the_start_line_and_the_benchmarks_write_it_loads_back(name, value):
+    """``option_text``: ``1e-05`` (JSON's spelling) would be a string to YAML, a tuple is no YAML value."""
+    text = option_text(name, value)
+    assert " " not in text.split("=", 1)[0]
+    assert _options(f"train.compile_options.{text}") == {name: value}, text
 
 
 def test_the_options_reach_inductor_in_both_compile_modes():

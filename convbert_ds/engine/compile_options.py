@@ -41,6 +41,7 @@ def inductor_options(cfg: TrainConfig) -> dict:
     known = {name: value for name, value in inductor_config.get_config_copy().items()
              if name != "TYPE_CHECKING" and not any(part.startswith("_") for part in name.split("."))}
     owned = OPTIONS_OWNED[cfg.train.compile_mode]
+    declared = getattr(inductor_config, "get_type", None)  # torch < 2.6: the default's type
     options: dict = {}
 
     def take(mapping: dict, prefix: str) -> None:
@@ -61,7 +62,6 @@ def inductor_options(cfg: TrainConfig) -> dict:
             if name in options:
                 raise ConfigError(f"{where}: {name} is given twice, dotted and nested under its prefix; in a "
                                   "file, nest it (as a dotted override on the command line nests it), once")
-            declared = getattr(inductor_config, "get_type", None)  # torch < 2.6: the default's type
             options[name] = _option_value(where, value, declared(name) if declared else type(known[name]))
 
     take(cfg.train.compile_options, "")

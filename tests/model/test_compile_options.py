@@ -67,6 +67,14 @@ def test_options_are_taken_by_inductors_names_dotted_or_nested_and_torch_compile
     assert torch.equal(double(torch.arange(4.0)), torch.arange(0.0, 8.0, 2.0))  # a wrong type would raise
 
 
+def test_a_dotted_override_replaces_what_the_file_nests(tmp_path):
+    """As the README says: nested in the file, an option is replaced by the dotted override, its siblings kept."""
+    config = tmp_path / "run.yaml"
+    config.write_text("train: {compile_mode: step, compile_options: {triton: {multi_kernel: 1, max_tiles: 2}}}\n")
+    cfg = load_config(config, ["train.compile_options.triton.multi_kernel=2"])
+    assert inductor_options(cfg) == {"triton.multi_kernel": 2, "triton.max_tiles": 2}
+
+
 def test_the_options_other_keys_set_are_refused_by_compile_mode():
     """In the step mode, what ``compile_step`` sets with every key on; in the layers mode, only what
     ``compile_layers`` sets (and the CUDA graphs, train.cuda_graphs's): max-autotune is then the user's."""

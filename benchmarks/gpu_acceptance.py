@@ -28,7 +28,8 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    (``train.compile_random=inductor``); samples/s, tokens/s and MFU are the medians of the trainer's own
    ``metrics.jsonl`` after warm-up, with the CUDA graphs the step recorded (the most telling runs first).
    The headline rows then profile 3 more steps (``train.profile``): the device's busy time against the wall
-   time, the top kernels and host ops.
+   time, the top kernels and host ops. Up to ``--together`` rows start at once (4 on a GPU): their compiles,
+   minutes each on the host, overlap; then each runs its timed steps alone, the others paused.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 7. ``layer_ops``: one layer's ops on their own at base's shape, eager and compiled:
    ``benchmarks/residual_dtype.py`` (the residual stream in bf16 against fp32, with inductor's count of its
@@ -42,7 +43,6 @@ Exit code: 0 when every part that ran passed, 1 otherwise (the figures are writt
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gzip
 import json
@@ -59,15 +59,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.limited_run import run_group, where_it_stopped
-from benchmarks.pretrain_rows import AUTOCAST, AUTOTUNE_LABELS, CPU_SMOKE_RUNS, GPU_RUNS, PretrainRun
+from benchmarks.limited_run import LimitedRun, Warming, warm_up_together, where_it_stopped
+from benchmarks.pretrain_rows import (AUTOCAST, CPU_SMOKE_RUNS, GPU_RUNS, PROFILED_STEPS, PretrainRun, StartedRow,
+                                      in_groups, partitioning_captured)
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
-from convbert_ds.fsutil import file_name_part
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 SECTION = "## GPU acceptance (`python -m benchmarks.gpu_acceptance`)"
-PROFILED_STEPS = 3
 TRAIN_STEP_BASE = ("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision", "bf16",
                    "--ds-config", AUTOCAST)
 
@@ -87,6 +86,7 @@ class Scale:
     warmup_rows: int  # logged rows (every log_interval steps) left out of the medians: compiling, warming up
     vocab_size: int
     log_interval: int = 5
+    together: int = 1  # pretraining rows started at once (--together): their compiles overlap, not their timing
 
 
 LAYERS_ONCE_ON_CUDA = ("tests/model/test_compile_layers_once.py::"
@@ -106,7 +106,8 @@ GPU = Scale(tests=("tests/kernels", "--ignore=tests/kernels/test_kernels_compile
             train_step_args=((*TRAIN_STEP_BASE, "--compile-step", "--capture", "--rows", "plain,transformers"),
                              TRAIN_STEP_BASE, (*TRAIN_STEP_BASE, "--capture", "--rows", "plain,engine")),
             runs=GPU_RUNS, batch=128, seq=128,
-            steps=40, warmup_rows=2, vocab_size=30522)
+            # together: base at batch 256 is about 25 GB of the GPU's 139 (estimated); 16 host cores
+            steps=40, warmup_rows=2, vocab_size=30522, together=4)
 CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
                   cuda_graph_tests=(CUDA_GRAPH_TESTS,),  # they say why they skip; the suite has the CPU gradients
                   sdconv_args=(("--dtype", "fp32", "--batch", "2", "--seq", "32", "--reps", "2"),),
@@ -116,12 +117,15 @@ CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
                                       "--reps", "2")),
                   train_step_args=(("--preset", "tiny", "--batch", "4", "--seq", "64", "--steps", "2", "--threads",
                                     "1"),),
-                  runs=CPU_SMOKE_RUNS, batch=4, seq=64, steps=6, warmup_rows=2, vocab_size=2000, log_interval=1)
+                  runs=CPU_SMOKE_RUNS, batch=4, seq=64, steps=6, warmup_rows=2, vocab_size=2000, log_interval=1,
+                  together=2)
 
 
 class Acceptance:
-    def __init__(self, scale: Scale, work: Path, budget_s: float, rows: re.Pattern | None = None):
+    def __init__(self, scale: Scale, work: Path, budget_s: float, rows: re.Pattern | None = None,
+                 together: int | None = None):
         self.scale, self.work, self.rows = scale, work, rows  # rows: which pretraining rows run (None: all)
+        self.together = together or scale.together
         self.deadline = time.monotonic() + budget_s
         self.failed: list[str] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -130,13 +134,24 @@ class Acceptance:
     def run(self, name: str, command: list[str], limit_s: float, env: dict | None = None) -> tuple[int, str, str]:
         """Run one command under min(limit, what is left of the budget), with ``env`` added to the
         environment: exit code, stdout, stdout + stderr (the last is logged)."""
+        return self.finish(name, self.start(name, command, limit_s, env))
+
+    def start(self, name: str, command: list[str], limit_s: float, env: dict | None = None) -> LimitedRun | None:
+        """Start one command (``finish`` waits for it): None when the budget has no time left for it."""
         limit = min(limit_s, self.deadline - time.monotonic())
         if limit < 5:
+            return None
+        print(f"=== {name}: {' '.join(command)}", flush=True)
+        return LimitedRun(command, {**self.env, **(env or {})}, limit, cwd=REPO, deadline=self.deadline)
+
+    def finish(self, name: str, run: LimitedRun | None) -> tuple[int, str, str]:
+        """Wait for a started command (resumed, if paused): what ``run`` returns (-1: never started)."""
+        if run is None:
             self.failed.append(f"{name} (no time left)")
             return -1, "", f"skipped: the overall budget was spent before {name}"
-        print(f"=== {name}: {' '.join(command)}", flush=True)
-        code, stdout, stderr = run_group(command, {**self.env, **(env or {})}, limit, cwd=REPO)
-        output = stdout + stderr + (f"\n(stopped after its limit of {limit:.0f} s)" if code == 124 else "")
+        code, stdout, stderr = run.finish()
+        stopped_by = "the end of the overall budget" if run.stopped_by == "its deadline" else run.stopped_by
+        output = stdout + stderr + (f"\n(stopped at {stopped_by})" if code == 124 else "")
         (self.work / f"{name}.log").write_text(output)
         print(output[-3000:], f"=== {name}: exit code {code}", sep="\n", flush=True)
         if code != 0:
@@ -194,22 +209,22 @@ class Acceptance:
     def pretrain(self) -> str:
         shards = self._shards()
         rows = ["| preset | seq x batch | DeepSpeed file | precision | SDConv | compile | samples/s | tokens/s | "
-                "TFLOP/s | MFU | first step (s) | CUDA graphs |",
-                "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+                "TFLOP/s | MFU | first step (s) | CUDA graphs | peak GiB |",
+                "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         profiles, graphs_of = [], {}
-        for spec in self.scale.runs:
-            seq, batch = self._shape(spec)
-            label = (f"{spec.preset} | {seq} x {batch} | {spec.ds_config} | {spec.precision_label} | {spec.sdconv} | "
-                     f"{spec.compile_label}")
-            if self.rows is not None and not self.rows.search(label):
-                continue
-            needless = _partitioning_captured(spec, graphs_of)
-            figures, profile = (([f"not run: {needless}"] + [""] * 5, []) if needless
-                                else self._pretrain_one(spec, shards))
-            graphs_of[spec] = figures[-1]
-            rows.append(f"| {label} | " + " | ".join(figures) + " |")
-            if profile:
-                profiles += ["", f"`{label}`:", "", _fenced(profile)]
+        chosen = [spec for spec in self.scale.runs if self.rows is None or self.rows.search(self._label(spec))]
+        for group in in_groups(chosen, self.together):
+            needless = {spec: partitioning_captured(spec, graphs_of) for spec in group}
+            started = {spec: self._start_row(spec, shards, together=len(group) > 1)
+                       for spec in group if not needless[spec]}
+            warm_up_together([Warming(row.run, row.ready, row.paused) for row in started.values() if row.run])
+            for spec in group:  # one at a time: the others paused, or not started yet
+                figures, profile = (([f"not run: {needless[spec]}"] + [""] * 6, []) if needless[spec]
+                                    else self._finish_row(started[spec]))
+                graphs_of[spec] = figures[5]  # the CUDA-graphs cell
+                rows.append(f"| {self._label(spec)} | " + " | ".join(figures) + " |")
+                if profile:
+                    profiles += ["", f"`{self._label(spec)}`:", "", _fenced(profile)]
         if profiles:
             profiles.insert(0, f"\nProfiles of the rows marked for it, and where a row that ran out of time stood "
                                f"(its Python stack when stopped): {PROFILED_STEPS} steps after the timed ones "
@@ -217,6 +232,10 @@ class Acceptance:
                                "window (wall time per step, the profiler's own cost included, against the device's "
                                "busy time; the kernels and the host ops that took the most):")
         s = self.scale
+        together = (f"Up to {self.together} rows start at once: their compiles overlap, and each runs its steps "
+                    f"after the first alone, the others paused (a logged row whose steps a pause fell in is left "
+                    f"out of the medians); the first step's time is its compile's with the others compiling. "
+                    if self.together > 1 else "")
         return "\n".join([f"Global batch {s.batch} x seq {s.seq} unless the row says otherwise (longer sequences: the "
                           f"same tokens per step), "
                           f"one process, {s.steps} steps, the DeepSpeed file of each row (`ds_configs/NAME.json`, "
@@ -227,7 +246,8 @@ class Acceptance:
                           f"train.cuda_graphs=G ...` (compile on: M=layers, step: M=step; G=inductor unless the "
                           f"row says capture; the full line is in the log). CUDA graphs: those the step had "
                           f"recorded after warm-up (`cuda_graphs` in metrics.jsonl; 2 or more when captured, 0 "
-                          f"when it runs kernel by kernel, A -> B when it re-records); no partition: "
+                          f"when it runs kernel by kernel, A -> B when it re-records); peak GiB: the most GPU "
+                          f"memory the run's allocator held (`gpu_memory_gib`); no partition: "
                           f"`TORCHINDUCTOR_GRAPH_PARTITION=0`; capture: the step captured by hand "
                           f"(`train.cuda_graphs=capture`); layers once: one compiled layer per width "
                           f"(`train.compile_layers_once=true`); tuned kernels: the block sizes of inductor's "
@@ -236,7 +256,7 @@ class Acceptance:
                           f"drawn in inductor's kernels (`train.compile_random=inductor`); NAME=VALUE: that "
                           f"option of inductor's (`train.compile_options.NAME=VALUE`); P, P residual: the residual "
                           f"stream in P as well "
-                          f"(`model.overrides.residual_dtype=autocast`).", "", *rows, *profiles])
+                          f"(`model.overrides.residual_dtype=autocast`). {together}".rstrip(), "", *rows, *profiles])
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
@@ -279,53 +299,59 @@ class Acceptance:
                 # Every 5 steps: a logging step reads its metrics back (a sync), the steps between do not.
                 f"log.dir={run_dir / 'logs'}", f"log.interval={self.scale.log_interval}", "eval.interval=0"]
 
-    def _pretrain_one(self, spec: PretrainRun, shards: Path) -> tuple[list[str], list[str]]:
-        """The row's figures, and the profile summary the trainer wrote (empty when not profiled)."""
-        mode = "eager" if not spec.compile else "compiled" if spec.compile_mode == "layers" else "compiled_step"
-        seq, batch = self._shape(spec)
-        name = (f"pretrain_{spec.preset}_{spec.precision}_{spec.sdconv}_{mode}_seq{seq}_batch{batch}_"
-                f"{spec.ds_config}{'_layers_once' if spec.layers_once else ''}"
-                f"{'_' + AUTOTUNE_LABELS[spec.autotune].replace(' ', '_') if spec.autotune else ''}"
-                f"{'_inductor_random' if spec.random == 'inductor' else ''}"
-                f"{''.join('_' + file_name_part(text) for text in spec.option_texts)}"
-                f"{'' if spec.residual == 'fp32' else f'_{spec.residual}_residual'}"
-                f"{'' if spec.graph_partition else '_no_partition'}"
-                f"{'' if spec.cuda_graphs == 'inductor' else '_' + spec.cuda_graphs}")
+    def _label(self, spec: PretrainRun) -> str:
+        return " | ".join([spec.preset, "{} x {}".format(*self._shape(spec)), spec.ds_config, spec.precision_label,
+                           spec.sdconv, spec.compile_label])
+
+    def _start_row(self, spec: PretrainRun, shards: Path, together: bool) -> StartedRow:
+        """Start one throughput run (``_finish_row`` waits for it and reads its figures)."""
+        name = spec.run_name(*self._shape(spec))
         run_dir = self.work / name
-        code, _, output = self.run(name, [sys.executable, "-m", "convbert_ds.train",
-                                         *self._train_args(spec, shards, run_dir, self.scale.steps)],
-                                   # compiling base: 60-150 s on an H100 or H200 with warm caches, over 200 s
-                                   # on a fresh machine (the first row); autotuning: minutes more
-                                   limit_s=(360 if spec.autotune else 270) if spec.compile else 120,
-                                   env=None if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"})
-        try:
-            rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+        env = {} if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"}
+        if together:  # NCCL's heartbeat monitor could take a paused watchdog thread for a hung one and abort
+            env["TORCH_NCCL_ENABLE_MONITORING"] = "0"
+        run = self.start(name, [sys.executable, "-m", "convbert_ds.train",
+                                *self._train_args(spec, shards, run_dir, self.scale.steps)],
+                         # compiling base: 60-150 s on an H100 or H200 with warm caches, over 200 s on a fresh
+                         # machine (the first row); autotuning: minutes more; beside other compiles, longer
+                         limit_s=((360 if spec.autotune else 270) if spec.compile else 120) * (1.5 if together else 1),
+                         env=env)
+        return StartedRow(spec, name, run_dir, run)
+
+    def _finish_row(self, started: StartedRow) -> tuple[list[str], list[str]]:
+        """The row's figures, and the profile summary the trainer wrote (empty when not profiled)."""
+        spec, run_dir = started.spec, started.run_dir
+        code, _, output = self.finish(started.name, started.run)
+        try:  # (line index, logged row)
+            rows = list(enumerate(map(json.loads, (run_dir / "logs" / "metrics.jsonl").read_text().splitlines())))
         except OSError:
             rows = []
         finally:
             shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # gigabytes for base; only figures matter
-        rows = [row for row in rows if row.get("split") == "train" and row["step"] <= self.scale.steps]
-        steady = rows[self.scale.warmup_rows:]
-        profile = _profile_summary(run_dir / "logs" / "profile" / "summary_rank0.txt")
+        rows = [(i, row) for i, row in rows if row.get("split") == "train" and row["step"] <= self.scale.steps]
+        steady = [row for i, row in rows[self.scale.warmup_rows:] if i not in started.paused_lines]
+        profile = started.profile_summary()
         timed = bool(steady) and steady[-1]["step"] >= self.scale.steps
         if code != 0 and timed and spec.profile:  # the timed steps are whole; only the profiled ones failed
             profile = ["the run stopped in its profile window:", *output.strip().splitlines()[-8:]]
         elif code != 0 or not steady:
             if code == 124:  # where it stood: a compile, a capture, a collective...
                 profile = ["stopped at its limit; the main thread was in:", *where_it_stopped(output)]
-            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 5, profile
-        first = self._shape(spec)[1] / rows[0]["samples_per_s"]
+            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 6, profile
+        first = self._shape(spec)[1] / rows[0][1]["samples_per_s"]  # its compile included
 
         def median(key: str, fmt: str) -> str:
             values = [row[key] for row in steady if row.get(key) is not None]
             return format(statistics.median(values), fmt) if values else "n/a"
 
+        # The allocator's peak since the start (GPU only): what a row left to the rows paused beside it.
+        peak = f"{rows[-1][1]['gpu_memory_gib']:.1f}" if "gpu_memory_gib" in rows[-1][1] else "-"
         # Constant once warmed up; growing means the CUDA-graph trees re-record (shown as first -> last).
         graphs = [row["cuda_graphs"] for row in steady if row.get("cuda_graphs") is not None]
         graphs_cell = ("-" if not graphs else str(graphs[0]) if graphs[0] == graphs[-1]
                        else f"{graphs[0]} -> {graphs[-1]}")
         return [median("samples_per_s", ",.0f"), median("tokens_per_s", ",.0f"), median("tflops", ".1f"),
-                median("mfu", ".1%"), f"{first:.1f}", graphs_cell], profile
+                median("mfu", ".1%"), f"{first:.1f}", graphs_cell, peak], profile
 
     def nccl(self) -> str:
         from convbert_ds.engine.distributed import free_port
@@ -396,27 +422,6 @@ def environment(on_gpu: bool) -> str:
     return f"Device: {device_name(on_gpu)}, {os.cpu_count()} CPU cores; " + ", ".join(versions) + "."
 
 
-def _partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) -> str:
-    """Why a run without inductor's graph partitioning would tell nothing (empty: it would): the same run
-    with partitioning (profiled or not) already recorded CUDA graphs; ``graphs_of``: the CUDA-graphs cell of
-    each run so far. The row exists to find out why the partitioned step captured none, which inductor
-    only says with partitioning off."""
-    if spec.graph_partition:
-        return ""
-    twin = dataclasses.replace(spec, graph_partition=True, profile=False)
-    cell = next((cell for run, cell in graphs_of.items() if dataclasses.replace(run, profile=False) == twin), "")
-    captured = cell.split(" -> ")[-1].isdigit() and int(cell.split(" -> ")[-1]) > 0
-    return f"the partitioned step recorded {cell} CUDA graphs" if captured else ""
-
-
-def _profile_summary(path: Path) -> list[str]:
-    """The summary the trainer wrote at the end of its profile window (``convbert_ds/engine/profiling.py``),
-    under the heading it prints it with; empty when the window did not end (or was not asked for)."""
-    if not path.is_file():
-        return []
-    return [f"profile summary (rank 0, {PROFILED_STEPS} steps):", *path.read_text().splitlines()]
-
-
 def _fenced(lines) -> str:
     return "```\n" + "\n".join(lines) + "\n```"
 
@@ -442,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only the pretraining rows whose table label matches (re.search over e.g. "
                              "'base | 128 x 128 | zero0_autocast_bf16 | bf16 | auto | step, capture'; escape its "
                              "| as \\|), in their order (default: every row, as the budget allows)")
+    parser.add_argument("--together", metavar="N", type=bounded(int, min=1),
+                        help="pretraining rows started at once (default: 4 on a GPU, 2 in the CPU smoke run): their "
+                             "compiles overlap, and each runs its timed steps alone, the others paused; 1 runs "
+                             "them one after another")
     parser.add_argument("--logs", metavar="DIR", type=Path,
                         help="also keep each part's full log (PART.log) and the profiled runs' traces "
                              "(RUN.pt.trace.json.gz) in DIR (default: only the summary is kept)")
@@ -454,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu_acceptance_") as tmp:
-        acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget, args.rows)
+        acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget, args.rows, args.together)
         body = [(PARTS[name], getattr(acceptance, name)()) for name in args.parts]
         if args.logs is not None:
             args.logs.mkdir(parents=True, exist_ok=True)
@@ -470,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
                         *([] if on_gpu else ["--cpu-smoke", args.cpu_smoke.name]),
                         *([] if args.parts == list(PARTS) else ["--parts", ",".join(args.parts)]),
                         *([] if args.budget == 540 else ["--budget", f"{args.budget:g}"]),
-                        *([] if args.rows is None else ["--rows", f"'{args.rows.pattern}'"])])
+                        *([] if args.rows is None else ["--rows", f"'{args.rows.pattern}'"]),
+                        *([] if args.together is None else ["--together", str(args.together)])])
     date = datetime.date.today().isoformat()
     section = [f"### {date}: {device_name(on_gpu)}", "",
                environment(on_gpu), f"Command: `{command}` ({time.monotonic() - started:.0f} s in all).",

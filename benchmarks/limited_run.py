@@ -1,6 +1,7 @@
-"""A command under a time limit that, when stopped, says where it was: ``run_group`` and ``where_it_stopped``
-(the GPU acceptance runs every part through them; a lease is too short to rerun a part just to find out
-where it hung or what it was still compiling)."""
+"""A command under a time limit that, when stopped, says where it was: ``run_group``, ``LimitedRun`` and
+``where_it_stopped`` (the GPU acceptance runs every part through them; a lease is too short to rerun a part
+just to find out where it hung or what it was still compiling); and several such commands warmed up at once,
+then run on one at a time: ``warm_up_together``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 STACK_DUMP_S = 20  # what a stopped command gets to print its Python stacks before it is killed
@@ -23,7 +26,12 @@ _MACHINE_PREFIX = re.compile(r'File "(?:[^"]*/site-packages/|' + re.escape(f"{_P
 
 
 def run_group(command: list[str], env: dict, limit_s: float, cwd: Path | None = None) -> tuple[int, str, str]:
-    """Run ``command``: exit code (124 when stopped at ``limit_s``), stdout, stderr.
+    """Run ``command``: exit code (124 when stopped at ``limit_s``), stdout, stderr (``LimitedRun``)."""
+    return LimitedRun(command, env, limit_s, cwd).finish()
+
+
+class LimitedRun:
+    """A command started at once under a time limit, that can be paused and resumed.
 
     A command that outlives its limit gets SIGABRT first, then every process under it: with
     ``PYTHONFAULTHANDLER`` set, each Python process prints its threads' stacks to stderr, so the log says
@@ -31,13 +39,91 @@ def run_group(command: list[str], env: dict, limit_s: float, cwd: Path | None = 
     them are killed: the command's process group, and the processes under it that started sessions of their
     own (torchrun's ranks do), which would otherwise keep the GPU and the output pipes. The output is read
     as it comes, so a full pipe never blocks a stack dump, and a process left holding the pipes after the
-    command exits delays the answer by ``DRAIN_S`` at most."""
-    process = subprocess.Popen(command, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_no_core_file)
-    readers = [_Reader(process.stdout), _Reader(process.stderr)]
-    try:
-        code = process.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
+    command exits delays the answer by ``DRAIN_S`` at most.
+
+    ``pause`` stops every process under the command (SIGSTOP) and ``resume`` lets them go on (SIGCONT): the
+    GPU acceptance compiles several runs at once and then times each one alone, the others paused, so that
+    their compiles (minutes each, on the host) overlap and their timed steps do not. The limit counts only the
+    time the command ran, not the time it was paused; ``deadline`` (``time.monotonic()``), when given, stops
+    it whatever it has used."""
+
+    def __init__(self, command: list[str], env: dict, limit_s: float, cwd: Path | None = None,
+                 deadline: float | None = None):
+        self.limit_s, self.deadline = limit_s, deadline
+        self.process = subprocess.Popen(command, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"},
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True, preexec_fn=_no_core_file)
+        self.readers = [_Reader(self.process.stdout), _Reader(self.process.stderr)]
+        self.started = time.monotonic()
+        self.paused_s = 0.0  # paused before, in all
+        self.paused_since: float | None = None  # set while paused
+        self.code: int | None = None
+        self.stopped_by = ""  # once stopped (code 124): its limit, or the deadline
+
+    def ran_s(self) -> float:
+        """Seconds it has run, not counting the time it was paused."""
+        now = time.monotonic()
+        return now - self.started - self.paused_s - (now - self.paused_since if self.paused_since is not None else 0.0)
+
+    def left_s(self) -> float:
+        """Seconds it may still run: what its limit leaves, or the deadline if that comes first."""
+        left = self.limit_s - self.ran_s()
+        return left if self.deadline is None else min(left, self.deadline - time.monotonic())
+
+    def poll(self) -> int | None:
+        """Its exit code once it has exited (124 once stopped here at its limit or the deadline), else None."""
+        if self.code is None and self.process.poll() is not None:
+            self.code = self.process.returncode
+        elif self.code is None and self.paused_since is None and self.left_s() <= 0:
+            self._stop()
+        return self.code
+
+    def pause(self) -> None:
+        """Stop every process under the command; returns once the command's own process has stopped, so
+        that what it wrote by then is all it writes before ``resume``."""
+        if self.paused_since is not None or self.poll() is not None:
+            return
+        self._signal(signal.SIGSTOP)
+        self.paused_since = time.monotonic()
+        waited = time.monotonic() + 5
+        while _state(self.process.pid) not in ("T", "Z", "") and time.monotonic() < waited:
+            time.sleep(0.005)
+
+    def resume(self) -> None:
+        if self.paused_since is None:
+            return
+        self._signal(signal.SIGCONT)
+        self.paused_s += time.monotonic() - self.paused_since
+        self.paused_since = None
+
+    def finish(self) -> tuple[int, str, str]:
+        """Resume it if paused, wait until it exits or its time is up: exit code (124 when stopped), stdout,
+        stderr."""
+        self.resume()
+        if self.code is None:
+            try:
+                self.code = self.process.wait(timeout=max(0.0, self.left_s()))
+            except subprocess.TimeoutExpired:
+                self._stop()
+        with contextlib.suppress(ProcessLookupError):  # whatever the command left in its group
+            os.killpg(self.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + DRAIN_S
+        stdout, stderr = (reader.text(max(0.0, deadline - time.monotonic())) for reader in self.readers)
+        return self.code, stdout, stderr
+
+    def _signal(self, sig: signal.Signals) -> None:
+        """``sig`` to the command's process group and to every process under it in a session of its own."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
+        _signal_all(_descendants(self.process.pid), sig)
+
+    def _stop(self) -> None:
+        """Its stacks, then every process under it killed (see the class's doc); its code becomes 124, and
+        ``stopped_by`` says what stopped it."""
+        by_deadline = self.deadline is not None and self.deadline - time.monotonic() < self.limit_s - self.ran_s()
+        self.stopped_by = "its deadline" if by_deadline else f"its limit of {self.limit_s:.0f} s"
+        self.resume()  # a paused process would print its stacks only once let go on
+        process = self.process
         under = _descendants(process.pid)  # now: once the command is gone, they are no longer under it
         process.send_signal(signal.SIGABRT)  # its stack comes first in the output (where_it_stopped reads it)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -48,12 +134,45 @@ def run_group(command: list[str], env: dict, limit_s: float, cwd: Path | None = 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-        code = 124
-    with contextlib.suppress(ProcessLookupError):  # whatever the command left in its group
-        os.killpg(process.pid, signal.SIGKILL)
-    deadline = time.monotonic() + DRAIN_S
-    stdout, stderr = (reader.text(max(0.0, deadline - time.monotonic())) for reader in readers)
-    return code, stdout, stderr
+        self.code = 124
+
+
+@dataclass
+class Warming:
+    """A run of ``warm_up_together``: ``ready`` says whether the part to be run alone has begun (a training
+    run's first logged step: its compile done); ``on_pause`` is called once its processes have stopped."""
+    run: LimitedRun
+    ready: Callable[[], bool]
+    on_pause: Callable[[], None] = field(default=lambda: None)
+
+
+def warm_up_together(warmings: Sequence[Warming], poll_s: float = 0.05) -> None:
+    """Let the runs go on together until each is ready or has exited; one that gets ready while another
+    has not finished is paused there. On return none is warming up, and every unfinished run but at most
+    one is paused: the caller then finishes them one at a time (``LimitedRun.finish`` resumes), each on its
+    own. What the runs overlap is their start (a compile, on the host: minutes on a GPU machine); what each
+    measures after it, none shares."""
+    warming = list(warmings)
+    while warming:
+        for each in list(warming):
+            if each.run.poll() is not None:
+                warming.remove(each)
+            elif each.ready():
+                warming.remove(each)
+                if any(other.run.poll() is None for other in warmings if other is not each):
+                    each.run.pause()
+                    each.on_pause()
+        if warming:
+            time.sleep(poll_s)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped, Z: exited, not yet reaped); "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 class _Reader:

@@ -1,12 +1,17 @@
 """The pretraining rows of the GPU acceptance (``benchmarks/gpu_acceptance.py``'s ``pretrain`` part): what
 each row runs through ``convbert_ds.train``, and which rows run, in which order, on a GPU and in the CPU
-smoke run."""
+smoke run; which start together (``in_groups``), and a started row's run (``StartedRow``)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
+from benchmarks.limited_run import LimitedRun
 from convbert_ds.formats.train_config import option_text
+from convbert_ds.fsutil import file_name_part
 
 
 @dataclass(frozen=True)
@@ -21,7 +26,7 @@ class PretrainRun:
     ds_config: str = "zero1_bf16"  # ds_configs/NAME.json, precision overridden
     graph_partition: bool = True  # False: TORCHINDUCTOR_GRAPH_PARTITION=0 (inductor then reports CUDA-graph skips)
     cuda_graphs: str = "inductor"  # train.cuda_graphs: inductor, capture (by hand) or off
-    profile: bool = False  # after the timed steps, gpu_acceptance.PROFILED_STEPS more, profiled (not in the medians)
+    profile: bool = False  # after the timed steps, PROFILED_STEPS more, profiled (not in the medians)
     layers_once: bool = False  # train.compile_layers_once (step only): one compiled layer per width, reused
     autotune: bool | str = False  # train.compile_autotune (step only): "kernels" tunes the fused kernels, True
     # is inductor's max-autotune (AUTOTUNE_LABELS)
@@ -33,6 +38,18 @@ class PretrainRun:
     def option_texts(self) -> list[str]:
         """Each of ``options`` as ``name=value``: the overrides (``train.compile_options.`` before it), the label."""
         return [option_text(name, value) for name, value in self.options]
+
+    def run_name(self, seq: int, batch: int) -> str:
+        """The run's directory (and its log's and trace's file name) in the acceptance's work directory."""
+        mode = "eager" if not self.compile else "compiled" if self.compile_mode == "layers" else "compiled_step"
+        return (f"pretrain_{self.preset}_{self.precision}_{self.sdconv}_{mode}_seq{seq}_batch{batch}_"
+                f"{self.ds_config}{'_layers_once' if self.layers_once else ''}"
+                f"{'_' + AUTOTUNE_LABELS[self.autotune].replace(' ', '_') if self.autotune else ''}"
+                f"{'_inductor_random' if self.random == 'inductor' else ''}"
+                f"{''.join('_' + file_name_part(text) for text in self.option_texts)}"
+                f"{'' if self.residual == 'fp32' else f'_{self.residual}_residual'}"
+                f"{'' if self.graph_partition else '_no_partition'}"
+                f"{'' if self.cuda_graphs == 'inductor' else '_' + self.cuda_graphs}")
 
     @property
     def precision_label(self) -> str:
@@ -49,9 +66,74 @@ class PretrainRun:
         return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
 
 
+PROFILED_STEPS = 3
 # Each train.compile_autotune level as the tables and the run names say it.
 AUTOTUNE_LABELS = {False: "", "kernels": "tuned kernels", True: "autotune"}
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
+
+
+@dataclass
+class StartedRow:
+    """A pretraining row's run, started: where it logs, and which of its logged rows a pause fell in."""
+    spec: PretrainRun
+    name: str
+    run_dir: Path
+    run: LimitedRun | None  # None: no time was left to start it
+    paused_lines: set[int] = dataclasses.field(default_factory=set)  # line indices in its metrics.jsonl
+
+    @property
+    def metrics(self) -> Path:
+        return self.run_dir / "logs" / "metrics.jsonl"
+
+    def profile_summary(self) -> list[str]:
+        """The summary the trainer wrote at the end of its profile window (``convbert_ds/engine/profiling.py``),
+        under the heading it prints it with; empty when the window did not end (or was not asked for)."""
+        path = self.run_dir / "logs" / "profile" / "summary_rank0.txt"
+        if not path.is_file():
+            return []
+        return [f"profile summary (rank 0, {PROFILED_STEPS} steps):", *path.read_text().splitlines()]
+
+    def ready(self) -> bool:
+        """Whether its first step is logged: it has compiled (and captured) its step; what follows is timed."""
+        with contextlib.suppress(OSError):
+            return self.metrics.stat().st_size > 0
+        return False
+
+    def paused(self) -> None:
+        """Leave out of its medians the logged row it stopped in (its index: the lines written by then, a
+        part-written one counted) and the next (in case its line was still in the writer's buffer)."""
+        try:
+            text = self.metrics.read_text()
+        except OSError:
+            text = ""
+        written = text.count("\n") + (bool(text) and not text.endswith("\n"))
+        self.paused_lines |= {written, written + 1}
+        print(f"=== {self.name}: first step logged after {self.run.ran_s():.0f} s; paused until its turn", flush=True)
+
+
+def in_groups(specs: list[PretrainRun], together: int) -> list[list[PretrainRun]]:
+    """The rows in their order, in groups of up to ``together`` started at once. A row without graph
+    partitioning starts a group: whether it runs at all depends on its twin's result (partitioning_captured)."""
+    groups: list[list[PretrainRun]] = []
+    for spec in specs:
+        if not groups or len(groups[-1]) >= together or not spec.graph_partition:
+            groups.append([])
+        groups[-1].append(spec)
+    return groups
+
+
+def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) -> str:
+    """Why a run without inductor's graph partitioning would tell nothing (empty: it would): the same run
+    with partitioning (profiled or not) already recorded CUDA graphs; ``graphs_of``: the CUDA-graphs cell of
+    each run so far. The row exists to find out why the partitioned step captured none, which inductor
+    only says with partitioning off."""
+    if spec.graph_partition:
+        return ""
+    twin = dataclasses.replace(spec, graph_partition=True, profile=False)
+    cell = next((cell for run, cell in graphs_of.items() if dataclasses.replace(run, profile=False) == twin), "")
+    captured = cell.split(" -> ")[-1].isdigit() and int(cell.split(" -> ")[-1]) > 0
+    return f"the partitioned step recorded {cell} CUDA graphs" if captured else ""
+
 
 # The most telling first (a 15-minute lease reaches the first two or three; compiling base's whole step takes
 # 120-190 s on a fresh H200). The issue's figures, on the paper configs' path (the autocast file, the whole

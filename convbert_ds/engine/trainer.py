@@ -54,7 +54,8 @@ def format_line(step: int, steps: int, m: dict) -> str:
     for key, label, fmt in (("loss", "loss", ".4f"), ("mlm_loss", "gen", ".4f"), ("rtd_loss", "disc", ".4f"),
                             ("mlm_accuracy", "mlm_acc", ".3f"), ("rtd_accuracy", "rtd_acc", ".3f"), ("lr", "lr", ".2e"),
                             ("grad_norm", "gnorm", ".3f"), ("samples_per_s", "samples/s", ".1f"),
-                            ("tokens_per_s", "tok/s", ".0f"), ("tflops", "TFLOP/s", ".2f"), ("mfu", "MFU", ".1%")):
+                            ("tokens_per_s", "tok/s", ".0f"), ("tflops", "TFLOP/s", ".2f"), ("mfu", "MFU", ".1%"),
+                            ("gpu_memory_gib", "GPU GiB", ".1f")):
         if m.get(key) is not None:
             parts.append(f"{label} {m[key]:{fmt}}")
     return " | ".join(parts)
@@ -446,7 +447,11 @@ class Trainer:
                    "consumed_samples": self.train_loader.consumed_samples,
                    # Constant after warm-up; growing means something recompiles every step.
                    "compiled_graphs": compiled_graph_count() if t.compile else None,
-                   "cuda_graphs": self.graphs.recorded()}
+                   "cuda_graphs": self.graphs.recorded(),
+                   # The most this process's allocator has held since it started (the allocator's own count:
+                   # no device sync): what a larger batch, or another process on the GPU, has left to use.
+                   "gpu_memory_gib": (torch.cuda.max_memory_reserved(self.device) / 2**30
+                                      if self.device.type == "cuda" else None)}
         self.graphs.check(self.step, metrics["cuda_graphs"], announce=self.is_logger)
         if self.is_logger:
             print(f"{self.progress.prefix()} {format_line(self.step, t.steps, metrics)} | "

@@ -49,11 +49,17 @@ def test_every_part_runs_on_cpu(tmp_path):
     assert [row.split("|")[3:7] for row in rows] == [
         [" zero1_bf16 ", " fp32 ", " torch ", " off "],
         [" zero0_autocast_bf16 ", " bf16, bf16 residual ", " torch ", " off "]], text
+    # The two rows start together (--together's default in the smoke run); each times its steps alone.
+    assert "Up to 2 rows start at once" in text
+    starts = [result.stdout.index(f"=== {name}: ") for name in _pretrain_run_names(result.stdout)]
+    first_done = result.stdout.index(f"=== {_pretrain_run_names(result.stdout)[0]}: exit code")
+    assert len(starts) == 2 and max(starts) < first_done, result.stdout[-5000:]
+    assert "first step logged after" in result.stdout and "paused until its turn" in result.stdout
     for row in rows:  # samples/s and tokens/s read from the trainer's own metrics.jsonl
         samples, tokens = (float(cell.replace(",", "")) for cell in row.split("|")[7:9])
         # The table rounds samples/s to a whole number (toy runs: about 35) and tokens/s too: 64 x half a sample.
         assert samples > 0 and abs(tokens - samples * 64) <= 0.5 * 64 + 0.5, row
-        assert row.split("|")[12].strip() == "-", row
+        assert row.split("|")[12].strip() == "-" and row.split("|")[13].strip() == "-", row  # no CUDA graph, no GPU
     # The marked row's profile window, as the trainer printed it, after the table (its steps not in the medians).
     profiles = text.split("Profiles of the rows marked for it")[1].split("####")[0]
     assert "`tiny | 64 x 4 | zero1_bf16 | fp32 | torch | off`:" in profiles
@@ -79,18 +85,18 @@ def test_every_part_runs_on_cpu(tmp_path):
 
 
 def test_the_run_without_graph_partitioning_is_skipped_once_the_partitioned_step_captured():
-    from benchmarks.gpu_acceptance import AUTOCAST, GPU_RUNS, PretrainRun, _partitioning_captured
+    from benchmarks.pretrain_rows import AUTOCAST, GPU_RUNS, PretrainRun, partitioning_captured
 
     # The GPU list's own pair, in this order: the partitioned run is profiled, the other not.
     partitioned = PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True)
     unpartitioned = PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False)
     assert GPU_RUNS.index(partitioned) < GPU_RUNS.index(unpartitioned)
-    assert _partitioning_captured(partitioned, {}) == ""  # a partitioned run always runs
+    assert partitioning_captured(partitioned, {}) == ""  # a partitioned run always runs
     for cell, why in [("2", "the partitioned step recorded 2 CUDA graphs"),
                       ("2 -> 4", "the partitioned step recorded 2 -> 4 CUDA graphs"),
                       ("0", ""), ("-", ""), ("", "")]:  # none captured, no CUDA, or the run failed: run it
-        assert _partitioning_captured(unpartitioned, {partitioned: cell}) == why, cell
-    assert _partitioning_captured(unpartitioned, {}) == ""  # the partitioned run is not in the list
+        assert partitioning_captured(unpartitioned, {partitioned: cell}) == why, cell
+    assert partitioning_captured(unpartitioned, {}) == ""  # the partitioned run is not in the list
 
 
 def test_every_gpu_rows_overrides_load_and_name_inductor_options_that_exist(tmp_path):
@@ -160,6 +166,12 @@ def test_a_finished_command_is_not_held_by_what_it_left_running():
     code, stdout, _ = run_group([sys.executable, "-c", script], dict(os.environ), limit_s=60)
     assert (code, stdout) == (3, "done\n")
     assert time.monotonic() - started < DRAIN_S + 4
+
+
+def _pretrain_run_names(stdout: str) -> list[str]:
+    """The pretraining runs the acceptance started, in the order it started them."""
+    return [line.split(":")[0][4:] for line in stdout.splitlines() if line.startswith("=== pretrain_")
+            and " -m convbert_ds.train " in line]
 
 
 def _alive(pid: int) -> bool:

@@ -28,8 +28,8 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    (``train.compile_random=inductor``); samples/s, tokens/s and MFU are the medians of the trainer's own
    ``metrics.jsonl`` after warm-up, with the CUDA graphs the step recorded (the most telling runs first).
    The headline rows then profile 3 more steps (``train.profile``): the device's busy time against the wall
-   time, the top kernels and host ops. Up to ``--together`` rows start at once (4 on a GPU): their compiles,
-   minutes each on the host, overlap; then each runs its timed steps alone, the others paused.
+   time, the top kernels and host ops. Up to ``--together`` rows run at once (4 on a GPU): their compiles,
+   minutes each on the host, overlap; the first to log its first step goes on alone, the others paused.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 7. ``layer_ops``: one layer's ops on their own at base's shape, eager and compiled:
    ``benchmarks/residual_dtype.py`` (the residual stream in bf16 against fp32, with inductor's count of its
@@ -45,12 +45,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import gzip
-import json
 import os
 import platform
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,9 +57,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.limited_run import LimitedRun, Warming, warm_up_together, where_it_stopped
+from benchmarks.limited_run import LimitedRun, next_turn, where_it_stopped
 from benchmarks.pretrain_rows import (AUTOCAST, CPU_SMOKE_RUNS, GPU_RUNS, PROFILED_STEPS, PretrainRun, StartedRow,
-                                      in_groups, partitioning_captured)
+                                      partitioning_captured)
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,7 +84,7 @@ class Scale:
     warmup_rows: int  # logged rows (every log_interval steps) left out of the medians: compiling, warming up
     vocab_size: int
     log_interval: int = 5
-    together: int = 1  # pretraining rows started at once (--together): their compiles overlap, not their timing
+    together: int = 1  # pretraining rows run at once (--together): their compiles overlap, not their timed steps
 
 
 LAYERS_ONCE_ON_CUDA = ("tests/model/test_compile_layers_once.py::"
@@ -209,22 +207,16 @@ class Acceptance:
     def pretrain(self) -> str:
         shards = self._shards()
         rows = ["| preset | seq x batch | DeepSpeed file | precision | SDConv | compile | samples/s | tokens/s | "
-                "TFLOP/s | MFU | first step (s) | CUDA graphs | peak GiB |",
+                "TFLOP/s | MFU | to first step (s) | CUDA graphs | peak GiB |",
                 "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-        profiles, graphs_of = [], {}
+        profiles = []
         chosen = [spec for spec in self.scale.runs if self.rows is None or self.rows.search(self._label(spec))]
-        for group in in_groups(chosen, self.together):
-            needless = {spec: partitioning_captured(spec, graphs_of) for spec in group}
-            started = {spec: self._start_row(spec, shards, together=len(group) > 1)
-                       for spec in group if not needless[spec]}
-            warm_up_together([Warming(row.run, row.ready, row.paused) for row in started.values() if row.run])
-            for spec in group:  # one at a time: the others paused, or not started yet
-                figures, profile = (([f"not run: {needless[spec]}"] + [""] * 6, []) if needless[spec]
-                                    else self._finish_row(started[spec]))
-                graphs_of[spec] = figures[5]  # the CUDA-graphs cell
-                rows.append(f"| {self._label(spec)} | " + " | ".join(figures) + " |")
-                if profile:
-                    profiles += ["", f"`{self._label(spec)}`:", "", _fenced(profile)]
+        results = self._run_rows(chosen, shards)
+        for spec in chosen:  # the table in its order, whichever order the rows ran in
+            figures, profile = results[spec]
+            rows.append(f"| {self._label(spec)} | " + " | ".join(figures) + " |")
+            if profile:
+                profiles += ["", f"`{self._label(spec)}`:", "", _fenced(profile)]
         if profiles:
             profiles.insert(0, f"\nProfiles of the rows marked for it, and where a row that ran out of time stood "
                                f"(its Python stack when stopped): {PROFILED_STEPS} steps after the timed ones "
@@ -232,10 +224,9 @@ class Acceptance:
                                "window (wall time per step, the profiler's own cost included, against the device's "
                                "busy time; the kernels and the host ops that took the most):")
         s = self.scale
-        together = (f"Up to {self.together} rows start at once: their compiles overlap, and each runs its steps "
-                    f"after the first alone, the others paused (a logged row whose steps a pause fell in is left "
-                    f"out of the medians); the first step's time is its compile's with the others compiling. "
-                    if self.together > 1 else "")
+        together = (f"Up to {self.together} rows run at once: their start-ups and compiles overlap; once its "
+                    f"first step is logged, a row runs on alone, the others paused, and its medians begin with "
+                    f"the second logged row after that. " if self.together > 1 else "")
         return "\n".join([f"Global batch {s.batch} x seq {s.seq} unless the row says otherwise (longer sequences: the "
                           f"same tokens per step), "
                           f"one process, {s.steps} steps, the DeepSpeed file of each row (`ds_configs/NAME.json`, "
@@ -303,6 +294,38 @@ class Acceptance:
         return " | ".join([spec.preset, "{} x {}".format(*self._shape(spec)), spec.ds_config, spec.precision_label,
                            spec.sdconv, spec.compile_label])
 
+    def _run_rows(self, specs: list[PretrainRun], shards: Path) -> dict[PretrainRun, tuple[list[str], list[str]]]:
+        """Each row's figures and profile (``_finish_row``). Up to ``together`` rows run at once, started in
+        the table's order; the first to log its first step (its compile done) runs on alone while the others
+        wait, paused (``next_turn``), and once it has finished they go on and the next row starts. A row
+        without graph partitioning starts once every row before it has finished: whether it runs at all
+        depends on how its twin did (``partitioning_captured``)."""
+        queue, running, results = list(specs), [], {}
+        try:
+            while queue or running:
+                while queue and len(running) < self.together and (queue[0].graph_partition or not running):
+                    spec = queue.pop(0)
+                    why = partitioning_captured(spec, {done: figures[5] for done, (figures, _) in results.items()})
+                    row = None if why else self._start_row(spec, shards, together=self.together > 1)
+                    if row is not None and row.run is not None:
+                        running.append(row)
+                    else:
+                        results[spec] = ([f"not run: {why}"] + [""] * 6, []) if why else self._finish_row(row)
+                if running:
+                    row = next_turn(running)
+                    running.remove(row)
+                    if self.together > 1 and row.first_step_s is not None:  # (else it has exited)
+                        row.runs_alone()
+                        print(f"=== {row.name}: first step logged after {row.first_step_s:.0f} s; runs alone, "
+                              f"{len(running)} other(s) paused", flush=True)
+                    results[row.spec] = self._finish_row(row)
+                    for other in running:
+                        other.run.resume()
+        finally:  # an error here: no run is left behind, paused, holding the GPU
+            for row in running:
+                row.run.kill()
+        return results
+
     def _start_row(self, spec: PretrainRun, shards: Path, together: bool) -> StartedRow:
         """Start one throughput run (``_finish_row`` waits for it and reads its figures)."""
         name = spec.run_name(*self._shape(spec))
@@ -320,38 +343,11 @@ class Acceptance:
 
     def _finish_row(self, started: StartedRow) -> tuple[list[str], list[str]]:
         """The row's figures, and the profile summary the trainer wrote (empty when not profiled)."""
-        spec, run_dir = started.spec, started.run_dir
         code, _, output = self.finish(started.name, started.run)
-        try:  # (line index, logged row)
-            rows = list(enumerate(map(json.loads, (run_dir / "logs" / "metrics.jsonl").read_text().splitlines())))
-        except OSError:
-            rows = []
-        finally:
-            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # gigabytes for base; only figures matter
-        rows = [(i, row) for i, row in rows if row.get("split") == "train" and row["step"] <= self.scale.steps]
-        steady = [row for i, row in rows[self.scale.warmup_rows:] if i not in started.paused_lines]
-        profile = started.profile_summary()
-        timed = bool(steady) and steady[-1]["step"] >= self.scale.steps
-        if code != 0 and timed and spec.profile:  # the timed steps are whole; only the profiled ones failed
-            profile = ["the run stopped in its profile window:", *output.strip().splitlines()[-8:]]
-        elif code != 0 or not steady:
-            if code == 124:  # where it stood: a compile, a capture, a collective...
-                profile = ["stopped at its limit; the main thread was in:", *where_it_stopped(output)]
-            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 6, profile
-        first = self._shape(spec)[1] / rows[0][1]["samples_per_s"]  # its compile included
-
-        def median(key: str, fmt: str) -> str:
-            values = [row[key] for row in steady if row.get(key) is not None]
-            return format(statistics.median(values), fmt) if values else "n/a"
-
-        # The allocator's peak since the start (GPU only): what a row left to the rows paused beside it.
-        peak = f"{rows[-1][1]['gpu_memory_gib']:.1f}" if "gpu_memory_gib" in rows[-1][1] else "-"
-        # Constant once warmed up; growing means the CUDA-graph trees re-record (shown as first -> last).
-        graphs = [row["cuda_graphs"] for row in steady if row.get("cuda_graphs") is not None]
-        graphs_cell = ("-" if not graphs else str(graphs[0]) if graphs[0] == graphs[-1]
-                       else f"{graphs[0]} -> {graphs[-1]}")
-        return [median("samples_per_s", ",.0f"), median("tokens_per_s", ",.0f"), median("tflops", ".1f"),
-                median("mfu", ".1%"), f"{first:.1f}", graphs_cell, peak], profile
+        try:
+            return started.figures(code, output, self.scale.steps, self.scale.warmup_rows)
+        finally:  # gigabytes for base; only figures matter
+            shutil.rmtree(started.run_dir / "checkpoints", ignore_errors=True)
 
     def nccl(self) -> str:
         from convbert_ds.engine.distributed import free_port
@@ -448,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                              "'base | 128 x 128 | zero0_autocast_bf16 | bf16 | auto | step, capture'; escape its "
                              "| as \\|), in their order (default: every row, as the budget allows)")
     parser.add_argument("--together", metavar="N", type=bounded(int, min=1),
-                        help="pretraining rows started at once (default: 4 on a GPU, 2 in the CPU smoke run): their "
+                        help="pretraining rows run at once (default: 4 on a GPU, 2 in the CPU smoke run): their "
                              "compiles overlap, and each runs its timed steps alone, the others paused; 1 runs "
                              "them one after another")
     parser.add_argument("--logs", metavar="DIR", type=Path,

@@ -1,24 +1,32 @@
 """A command under a time limit that, when stopped, says where it was: ``run_group``, ``LimitedRun`` and
 ``where_it_stopped`` (the GPU acceptance runs every part through them; a lease is too short to rerun a part
-just to find out where it hung or what it was still compiling); and several such commands warmed up at once,
-then run on one at a time: ``warm_up_together``."""
+just to find out where it hung or what it was still compiling); several such commands started at once,
+each going on alone once ready while the others wait, paused: ``next_turn``."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from typing import Protocol, TypeVar
 from pathlib import Path
 
+T = TypeVar("T", bound="Turn")
 STACK_DUMP_S = 20  # what a stopped command gets to print its Python stacks before it is killed
 DRAIN_S = 10  # how long the output of a finished command is waited for, past its own exit
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+except OSError:
+    _LIBC = None
 # A stack's file names as a reader can place them on any machine: from the package (site-packages/...) or
 # from this project's root, without the directories this machine happens to keep them in.
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -41,18 +49,17 @@ class LimitedRun:
     as it comes, so a full pipe never blocks a stack dump, and a process left holding the pipes after the
     command exits delays the answer by ``DRAIN_S`` at most.
 
-    ``pause`` stops every process under the command (SIGSTOP) and ``resume`` lets them go on (SIGCONT): the
-    GPU acceptance compiles several runs at once and then times each one alone, the others paused, so that
-    their compiles (minutes each, on the host) overlap and their timed steps do not. The limit counts only the
-    time the command ran, not the time it was paused; ``deadline`` (``time.monotonic()``), when given, stops
-    it whatever it has used."""
+    ``pause`` stops every process under the command (SIGSTOP) and ``resume`` lets them go on (SIGCONT)
+    (``next_turn``). The limit counts only the time the command ran, not the time it was paused;
+    ``deadline`` (``time.monotonic()``), when given, stops it whatever it has used. Each process started
+    here is killed if the process that started it dies first, so that none is left paused, holding a GPU."""
 
     def __init__(self, command: list[str], env: dict, limit_s: float, cwd: Path | None = None,
                  deadline: float | None = None):
         self.limit_s, self.deadline = limit_s, deadline
         self.process = subprocess.Popen(command, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"},
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        start_new_session=True, preexec_fn=_no_core_file)
+                                        start_new_session=True, preexec_fn=_in_the_child)
         self.readers = [_Reader(self.process.stdout), _Reader(self.process.stderr)]
         self.started = time.monotonic()
         self.paused_s = 0.0  # paused before, in all
@@ -111,6 +118,14 @@ class LimitedRun:
         stdout, stderr = (reader.text(max(0.0, deadline - time.monotonic())) for reader in self.readers)
         return self.code, stdout, stderr
 
+    def kill(self) -> None:
+        """Kill every process under the command at once, paused or not (no stacks: for a caller that has to
+        stop early itself)."""
+        if self.code is None:
+            self._signal(signal.SIGKILL)
+            self.process.wait()
+            self.code = -signal.SIGKILL
+
     def _signal(self, sig: signal.Signals) -> None:
         """``sig`` to the command's process group and to every process under it in a session of its own."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -137,33 +152,28 @@ class LimitedRun:
         self.code = 124
 
 
-@dataclass
-class Warming:
-    """A run of ``warm_up_together``: ``ready`` says whether the part to be run alone has begun (a training
-    run's first logged step: its compile done); ``on_pause`` is called once its processes have stopped."""
+class Turn(Protocol):
+    """What ``next_turn`` chooses among: a run, and whether the part of it that must run alone has begun."""
     run: LimitedRun
-    ready: Callable[[], bool]
-    on_pause: Callable[[], None] = field(default=lambda: None)
+
+    def ready(self) -> bool: ...
 
 
-def warm_up_together(warmings: Sequence[Warming], poll_s: float = 0.05) -> None:
-    """Let the runs go on together until each is ready or has exited; one that gets ready while another
-    has not finished is paused there. On return none is warming up, and every unfinished run but at most
-    one is paused: the caller then finishes them one at a time (``LimitedRun.finish`` resumes), each on its
-    own. What the runs overlap is their start (a compile, on the host: minutes on a GPU machine); what each
-    measures after it, none shares."""
-    warming = list(warmings)
-    while warming:
-        for each in list(warming):
-            if each.run.poll() is not None:
-                warming.remove(each)
-            elif each.ready():
-                warming.remove(each)
-                if any(other.run.poll() is None for other in warmings if other is not each):
-                    each.run.pause()
-                    each.on_pause()
-        if warming:
-            time.sleep(poll_s)
+def next_turn(turns: Sequence[T], poll_s: float = 0.05) -> T:
+    """Wait until one of ``turns`` is ready or has exited (the first in order when several are), pause
+    every other one, and return it: it goes on alone. A run stopped at its limit meanwhile counts as
+    exited. The caller finishes the chosen run, then resumes the others (``LimitedRun.resume``).
+
+    The GPU acceptance starts several training runs at once: their compiles (minutes each, on the host)
+    overlap, and each runs its timed steps (after its first) with every other run paused."""
+    while True:
+        ready = [turn for turn in turns if turn.ready() or turn.run.poll() is not None]  # each asked: ready() notes
+        if ready:
+            for other in turns:
+                if other is not ready[0]:
+                    other.run.pause()
+            return ready[0]
+        time.sleep(poll_s)
 
 
 def _state(pid: int) -> str:
@@ -188,9 +198,13 @@ class _Reader:
         return "".join(list(self.chunks))
 
 
-def _no_core_file() -> None:
+def _in_the_child() -> None:
     # SIGABRT's default action also writes a core file: gigabytes for a process holding a GPU context.
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # A paused command whose starter died would stay stopped, its GPU memory held (its session is its own:
+    # no SIGHUP comes). Linux: SIGKILL when the starter exits (its own children, if paused too, stay so).
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _descendants(pid: int) -> list[int]:

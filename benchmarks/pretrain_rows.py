@@ -1,15 +1,17 @@
 """The pretraining rows of the GPU acceptance (``benchmarks/gpu_acceptance.py``'s ``pretrain`` part): what
 each row runs through ``convbert_ds.train``, and which rows run, in which order, on a GPU and in the CPU
-smoke run; which start together (``in_groups``), and a started row's run (``StartedRow``)."""
+smoke run; a started row's run (``StartedRow``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.limited_run import LimitedRun
+from benchmarks.limited_run import LimitedRun, where_it_stopped
 from convbert_ds.formats.train_config import option_text
 from convbert_ds.fsutil import file_name_part
 
@@ -66,7 +68,7 @@ class PretrainRun:
         return label if self.cuda_graphs == "inductor" else f"{label}, {self.cuda_graphs}"
 
 
-PROFILED_STEPS = 3
+PROFILED_STEPS = 3  # steps a profiled row runs after its timed ones, under the profiler
 # Each train.compile_autotune level as the tables and the run names say it.
 AUTOTUNE_LABELS = {False: "", "kernels": "tuned kernels", True: "autotune"}
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
@@ -74,12 +76,14 @@ AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused A
 
 @dataclass
 class StartedRow:
-    """A pretraining row's run, started: where it logs, and which of its logged rows a pause fell in."""
+    """A pretraining row's run, started: where it logs, when its first step was logged, and from which of its
+    logged rows on it ran alone (``benchmarks.limited_run.next_turn``)."""
     spec: PretrainRun
     name: str
     run_dir: Path
     run: LimitedRun | None  # None: no time was left to start it
-    paused_lines: set[int] = dataclasses.field(default_factory=set)  # line indices in its metrics.jsonl
+    first_step_s: float | None = None  # seconds it ran (pauses not counted) until its first step was logged
+    alone_from: int = 0  # the index in metrics.jsonl of its first logged row that ran alone from start to end
 
     @property
     def metrics(self) -> Path:
@@ -93,33 +97,57 @@ class StartedRow:
             return []
         return [f"profile summary (rank 0, {PROFILED_STEPS} steps):", *path.read_text().splitlines()]
 
+    def figures(self, code: int, output: str, steps: int, warmup_rows: int) -> tuple[list[str], list[str]]:
+        """The table's cells from samples/s on (medians of the logged rows after ``warmup_rows`` that ran
+        alone, up to ``steps``), and the profile summary; or why there are none (the run's exit ``code``:
+        -1 not run, 124 stopped at its limit; ``output``: its log)."""
+        try:  # (line index, logged row)
+            rows = list(enumerate(map(json.loads, self.metrics.read_text().splitlines())))
+        except OSError:
+            rows = []
+        rows = [(i, row) for i, row in rows if row.get("split") == "train" and row["step"] <= steps]
+        steady = [row for i, row in rows if i >= max(warmup_rows, self.alone_from)]
+        profile = self.profile_summary()
+        timed = bool(steady) and steady[-1]["step"] >= steps
+        if code != 0 and timed and self.spec.profile:  # the timed steps are whole; only the profiled ones failed
+            profile = ["the run stopped in its profile window:", *output.strip().splitlines()[-8:]]
+        elif code != 0 or not steady:
+            if code == 124:  # where it stood: a compile, a capture, a collective...
+                profile = ["stopped at its limit; the main thread was in:", *where_it_stopped(output)]
+            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 6, profile
+
+        def median(key: str, fmt: str) -> str:
+            values = [row[key] for row in steady if row.get(key) is not None]
+            return format(statistics.median(values), fmt) if values else "n/a"
+
+        # This run's allocator at its peak (GPU only; without the CUDA context's own memory).
+        peak = f"{rows[-1][1]['gpu_memory_gib']:.1f}" if "gpu_memory_gib" in rows[-1][1] else "-"
+        # Constant once warmed up; growing means the CUDA-graph trees re-record (shown as first -> last).
+        graphs = [row["cuda_graphs"] for row in steady if row.get("cuda_graphs") is not None]
+        graphs_cell = ("-" if not graphs else str(graphs[0]) if graphs[0] == graphs[-1]
+                       else f"{graphs[0]} -> {graphs[-1]}")
+        first = "n/a" if self.first_step_s is None else f"{self.first_step_s:.1f}"
+        return [median("samples_per_s", ",.0f"), median("tokens_per_s", ",.0f"), median("tflops", ".1f"),
+                median("mfu", ".1%"), first, graphs_cell, peak], profile
+
     def ready(self) -> bool:
-        """Whether its first step is logged: it has compiled (and captured) its step; what follows is timed."""
+        """Whether its first step is logged: it has started, compiled (and captured) its step; what follows
+        is timed. The first time it is, how long that took."""
         with contextlib.suppress(OSError):
-            return self.metrics.stat().st_size > 0
+            if self.metrics.stat().st_size > 0:
+                self.first_step_s = self.first_step_s or self.run.ran_s()
+                return True
         return False
 
-    def paused(self) -> None:
-        """Leave out of its medians the logged row it stopped in (its index: the lines written by then, a
-        part-written one counted) and the next (in case its line was still in the writer's buffer)."""
+    def runs_alone(self) -> None:
+        """From now on no other row runs: count its logged rows from the second after the one in progress
+        (whose index is the lines written so far, a part-written one counted): the next one too may have
+        begun, its line still in the writer's buffer."""
         try:
             text = self.metrics.read_text()
         except OSError:
             text = ""
-        written = text.count("\n") + (bool(text) and not text.endswith("\n"))
-        self.paused_lines |= {written, written + 1}
-        print(f"=== {self.name}: first step logged after {self.run.ran_s():.0f} s; paused until its turn", flush=True)
-
-
-def in_groups(specs: list[PretrainRun], together: int) -> list[list[PretrainRun]]:
-    """The rows in their order, in groups of up to ``together`` started at once. A row without graph
-    partitioning starts a group: whether it runs at all depends on its twin's result (partitioning_captured)."""
-    groups: list[list[PretrainRun]] = []
-    for spec in specs:
-        if not groups or len(groups[-1]) >= together or not spec.graph_partition:
-            groups.append([])
-        groups[-1].append(spec)
-    return groups
+        self.alone_from = text.count("\n") + (bool(text) and not text.endswith("\n")) + 2
 
 
 def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) -> str:

@@ -50,11 +50,11 @@ def test_every_part_runs_on_cpu(tmp_path):
         [" zero1_bf16 ", " fp32 ", " torch ", " off "],
         [" zero0_autocast_bf16 ", " bf16, bf16 residual ", " torch ", " off "]], text
     # The two rows start together (--together's default in the smoke run); each times its steps alone.
-    assert "Up to 2 rows start at once" in text
+    assert "Up to 2 rows run at once" in text
     starts = [result.stdout.index(f"=== {name}: ") for name in _pretrain_run_names(result.stdout)]
     first_done = result.stdout.index(f"=== {_pretrain_run_names(result.stdout)[0]}: exit code")
     assert len(starts) == 2 and max(starts) < first_done, result.stdout[-5000:]
-    assert "first step logged after" in result.stdout and "paused until its turn" in result.stdout
+    assert "runs alone, 1 other(s) paused" in result.stdout and "runs alone, 0 other(s) paused" in result.stdout
     for row in rows:  # samples/s and tokens/s read from the trainer's own metrics.jsonl
         samples, tokens = (float(cell.replace(",", "")) for cell in row.split("|")[7:9])
         # The table rounds samples/s to a whole number (toy runs: about 35) and tokens/s too: 64 x half a sample.

@@ -1,13 +1,15 @@
-"""Commands paused and resumed under a time limit, and several warmed up together then run one at a time
+"""Commands paused and resumed under a time limit, several started together, each going on alone once ready
 (``benchmarks/limited_run.py``): how the GPU acceptance overlaps its rows' compiles without overlapping their
 timed steps. Real processes and signals, small Python scripts standing in for the trainer."""
 
 import os
+import signal
 import sys
 import time
+from types import SimpleNamespace
 
-from benchmarks.limited_run import LimitedRun, Warming, warm_up_together
-from benchmarks.pretrain_rows import GPU_RUNS, PretrainRun, StartedRow, in_groups
+from benchmarks.limited_run import LimitedRun, next_turn
+from benchmarks.pretrain_rows import PretrainRun, StartedRow
 
 # Writes a time stamp a line every 0.1 s, 30 lines: 3 s of running.
 TICKER = ("import sys, time\n"
@@ -48,62 +50,66 @@ def test_a_run_paused_past_its_deadline_is_stopped_when_its_turn_comes(tmp_path)
     assert code == 124 and run.stopped_by == "its deadline"
 
 
-def test_runs_warm_up_together_then_each_runs_on_alone_in_order(tmp_path):
-    # Each "compiles" for a while, says it is ready (a file, as the trainer's first logged step), waits a
-    # little, then "times" its steps: 10 stamps 0.05 s apart.
-    script = ("import pathlib, sys, time\n"
-              "time.sleep(float(sys.argv[1]))\n"
-              "pathlib.Path(sys.argv[2]).write_text('ready')\n"
-              "time.sleep(0.5)\n"
-              "for _ in range(10):\n"
-              "    with open(sys.argv[3], 'a') as f:\n"
-              "        f.write(f'{time.monotonic()}\\n')\n"
-              "    time.sleep(0.05)\n")
+class _Job:
+    """A stand-in for a training run: "compiles" for ``warm_s``, writes when it is ready (as the trainer logs
+    its first step), then "times" 10 steps 0.05 s apart, each a time stamp."""
+
+    def __init__(self, tmp_path, i: int, warm_s: float):
+        self.marker, self.steps = tmp_path / f"ready{i}", tmp_path / f"steps{i}"
+        script = ("import pathlib, sys, time\n"
+                  "time.sleep(float(sys.argv[1]))\n"
+                  "pathlib.Path(sys.argv[2]).write_text(str(time.monotonic()))\n"
+                  "for _ in range(10):\n"
+                  "    with open(sys.argv[3], 'a') as f:\n"
+                  "        f.write(f'{time.monotonic()}\\n')\n"
+                  "    time.sleep(0.05)\n")
+        self.run = LimitedRun([sys.executable, "-c", script, str(warm_s), str(self.marker), str(self.steps)],
+                              dict(os.environ), limit_s=60)
+
+    def ready(self) -> bool:
+        return self.marker.exists()
+
+
+def test_runs_start_together_and_each_goes_on_alone_once_ready(tmp_path):
     warm_s = [2.0, 1.0, 3.0]  # the first in order is not the first ready
-    runs, paused = [], []
     started = time.monotonic()
-    for i, seconds in enumerate(warm_s):
-        run = LimitedRun([sys.executable, "-c", script, str(seconds), str(tmp_path / f"ready{i}"),
-                          str(tmp_path / f"steps{i}")], dict(os.environ), limit_s=60)
-        runs.append(Warming(run, (tmp_path / f"ready{i}").exists, lambda i=i: paused.append(i)))
-    warm_up_together(runs)
-    warmed = time.monotonic() - started
-    assert warmed < sum(warm_s) - 1, warmed  # their warm-ups overlapped
-    assert sorted(paused) == [0, 1, 2]  # each got ready while another was still warming up or waiting
-    assert all(not (tmp_path / f"steps{i}").exists() for i in range(3))  # none has timed a step yet
-    for each in runs:
-        code, _, stderr = each.run.finish()
+    running = [_Job(tmp_path, i, seconds) for i, seconds in enumerate(warm_s)]
+    jobs, order = list(running), []
+    while running:  # as the acceptance takes its rows' turns
+        job = next_turn(running)
+        running.remove(job)
+        order.append(jobs.index(job))
+        assert all(other.run.paused_since is not None for other in running)
+        code, _, stderr = job.run.finish()
         assert code == 0, stderr
-    spans = [(min(stamps), max(stamps)) for stamps in (_stamps(tmp_path / f"steps{i}") for i in range(3))]
-    assert spans[0][1] < spans[1][0] and spans[1][1] < spans[2][0], spans  # one at a time, in order
+        for other in running:
+            other.run.resume()
+    assert order == [1, 0, 2]  # in the order they got ready
+    # One after another they would take 6 s to get ready and 1.5 s to time their steps.
+    assert time.monotonic() - started < sum(warm_s) - 1
+    spans = [(float(job.marker.read_text()), max(_stamps(job.steps))) for job in jobs]
+    for i, (ready, done) in enumerate(spans):  # from its ready line to its last step, nobody else ran
+        for j, (other_ready, other_done) in enumerate(spans):
+            assert i == j or other_done < ready or done < other_ready, spans
 
 
-def test_the_last_run_left_is_not_paused(tmp_path):
-    # The other run exits at once, so the one that gets ready has nothing to wait for.
+def test_a_run_that_has_exited_gets_its_turn_at_once(tmp_path):
     quick = LimitedRun([sys.executable, "-c", "pass"], dict(os.environ), limit_s=60)
-    ticker = LimitedRun([sys.executable, "-c", TICKER, str(tmp_path / "ticks")], dict(os.environ), limit_s=60)
-    paused = []
-    time.sleep(1)
-    warm_up_together([Warming(quick, lambda: False), Warming(ticker, lambda: True, lambda: paused.append(1))])
-    assert paused == [] and ticker.paused_since is None
-    assert ticker.finish()[0] == 0 and quick.finish()[0] == 0
+    quick.process.wait()
+    slow = _Job(tmp_path, 0, 30)
+    chosen = next_turn([slow, SimpleNamespace(run=quick, ready=lambda: False)])
+    assert chosen.run is quick and slow.run.paused_since is not None
+    slow.run.kill()
+    assert quick.finish()[0] == 0 and slow.run.poll() == -signal.SIGKILL
 
 
-def test_rows_start_in_groups_and_a_row_without_graph_partitioning_starts_its_own():
-    rows = [spec for spec in GPU_RUNS if spec.graph_partition][:5]
-    assert in_groups(rows, 2) == [rows[:2], rows[2:4], rows[4:]]
-    assert in_groups(rows, 1) == [[spec] for spec in rows]
-    unpartitioned = next(spec for spec in GPU_RUNS if not spec.graph_partition)
-    assert in_groups([rows[0], unpartitioned, rows[1]], 4) == [[rows[0]], [unpartitioned, rows[1]]]
-
-
-def test_a_pause_leaves_out_the_logged_row_it_fell_in_and_the_next(tmp_path):
+def test_a_row_counts_its_first_step_and_the_logged_rows_it_ran_alone(tmp_path):
     run = LimitedRun([sys.executable, "-c", "pass"], dict(os.environ), limit_s=60)
     row = StartedRow(PretrainRun("tiny", "fp32", "torch", False), "run", tmp_path, run)
-    assert not row.ready()
+    assert not row.ready() and row.first_step_s is None
     row.metrics.parent.mkdir(parents=True)
-    row.metrics.write_text('{"step": 1}\n{"step": 5')  # the second line part-written when it stopped
-    assert row.ready()
-    row.paused()
-    assert row.paused_lines == {2, 3}
+    row.metrics.write_text('{"step": 1}\n{"step": 5')  # the second line part-written when it went on alone
+    assert row.ready() and 0 < row.first_step_s < 60
+    row.runs_alone()
+    assert row.alone_from == 4  # not the row at step 5 (done), nor the one at 10 (begun before), from 15 on
     assert run.finish()[0] == 0

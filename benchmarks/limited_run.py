@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Protocol, TypeVar
 from pathlib import Path
 
@@ -23,10 +24,20 @@ T = TypeVar("T", bound="Turn")
 STACK_DUMP_S = 20  # what a stopped command gets to print its Python stacks before it is killed
 DRAIN_S = 10  # how long the output of a finished command is waited for, past its own exit
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-try:
-    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-except OSError:
-    _LIBC = None
+
+
+def _prctl():
+    """libc's prctl (Linux), looked up once here rather than in a forked child; None elsewhere."""
+    if sys.platform != "linux":
+        return None
+    with contextlib.suppress(OSError, AttributeError):
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl.argtypes, prctl.restype = [ctypes.c_int, ctypes.c_ulong], ctypes.c_int
+        return prctl
+    return None
+
+
+_PRCTL = _prctl()
 # A stack's file names as a reader can place them on any machine: from the package (site-packages/...) or
 # from this project's root, without the directories this machine happens to keep them in.
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -51,15 +62,16 @@ class LimitedRun:
 
     ``pause`` stops every process under the command (SIGSTOP) and ``resume`` lets them go on (SIGCONT)
     (``next_turn``). The limit counts only the time the command ran, not the time it was paused;
-    ``deadline`` (``time.monotonic()``), when given, stops it whatever it has used. Each process started
-    here is killed if the process that started it dies first, so that none is left paused, holding a GPU."""
+    ``deadline`` (``time.monotonic()``), when given, stops it whatever it has used. The command is killed
+    if the thread that started it ends first (start it from the main thread), so that none is left paused,
+    holding a GPU."""
 
     def __init__(self, command: list[str], env: dict, limit_s: float, cwd: Path | None = None,
                  deadline: float | None = None):
         self.limit_s, self.deadline = limit_s, deadline
         self.process = subprocess.Popen(command, cwd=cwd, env={**env, "PYTHONFAULTHANDLER": "1"},
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        start_new_session=True, preexec_fn=_in_the_child)
+                                        start_new_session=True, preexec_fn=partial(_in_the_child, os.getpid()))
         self.readers = [_Reader(self.process.stdout), _Reader(self.process.stderr)]
         self.started = time.monotonic()
         self.paused_s = 0.0  # paused before, in all
@@ -78,17 +90,19 @@ class LimitedRun:
         return left if self.deadline is None else min(left, self.deadline - time.monotonic())
 
     def poll(self) -> int | None:
-        """Its exit code once it has exited (124 once stopped here at its limit or the deadline), else None."""
+        """Its exit code once it has exited, else None (a run past its time goes on until ``finish``)."""
         if self.code is None and self.process.poll() is not None:
             self.code = self.process.returncode
-        elif self.code is None and self.paused_since is None and self.left_s() <= 0:
-            self._stop()
         return self.code
+
+    def expired(self) -> bool:
+        """Whether it is running past its limit or the deadline (``finish`` stops it at once)."""
+        return self.code is None and self.paused_since is None and self.left_s() <= 0
 
     def pause(self) -> None:
         """Stop every process under the command; returns once the command's own process has stopped, so
         that what it wrote by then is all it writes before ``resume``."""
-        if self.paused_since is not None or self.poll() is not None:
+        if self.paused_since is not None or self.process.poll() is not None:
             return
         self._signal(signal.SIGSTOP)
         self.paused_since = time.monotonic()
@@ -160,14 +174,16 @@ class Turn(Protocol):
 
 
 def next_turn(turns: Sequence[T], poll_s: float = 0.05) -> T:
-    """Wait until one of ``turns`` is ready or has exited (the first in order when several are), pause
-    every other one, and return it: it goes on alone. A run stopped at its limit meanwhile counts as
-    exited. The caller finishes the chosen run, then resumes the others (``LimitedRun.resume``).
+    """Wait until one of ``turns`` is ready, has exited or is past its time (the first in order when
+    several are), pause every other one, and return it: it goes on alone. The caller finishes the chosen
+    run (``LimitedRun.finish``: one past its time is stopped there, the others paused while it prints its
+    stacks), then resumes the others (``LimitedRun.resume``).
 
     The GPU acceptance starts several training runs at once: their compiles (minutes each, on the host)
     overlap, and each runs its timed steps (after its first) with every other run paused."""
     while True:
-        ready = [turn for turn in turns if turn.ready() or turn.run.poll() is not None]  # each asked: ready() notes
+        ready = [turn for turn in turns  # each one asked: ready() notes the time of its first step
+                 if turn.ready() or turn.run.poll() is not None or turn.run.expired()]
         if ready:
             for other in turns:
                 if other is not ready[0]:
@@ -198,13 +214,16 @@ class _Reader:
         return "".join(list(self.chunks))
 
 
-def _in_the_child() -> None:
+def _in_the_child(starter: int) -> None:
     # SIGABRT's default action also writes a core file: gigabytes for a process holding a GPU context.
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     # A paused command whose starter died would stay stopped, its GPU memory held (its session is its own:
-    # no SIGHUP comes). Linux: SIGKILL when the starter exits (its own children, if paused too, stay so).
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    # no SIGHUP comes). Linux: SIGKILL when the starting thread ends (its own children, if paused too, stay
+    # so); a starter gone before this line never sends it, so then the command does not start at all.
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != starter:
+            os._exit(1)
 
 
 def _descendants(pid: int) -> list[int]:

@@ -140,14 +140,15 @@ class StartedRow:
         return False
 
     def runs_alone(self) -> None:
-        """From now on no other row runs: count its logged rows from the second after the one in progress
-        (whose index is the lines written so far, a part-written one counted): the next one too may have
-        begun, its line still in the writer's buffer."""
+        """From now on no other row runs: count its logged rows from the second after its last complete
+        line. The trainer times a logged row from the moment it began writing the one before, so the
+        next row's time began before now; and so may the one after, if a line is still in the writer's
+        buffer or part-written."""
         try:
             text = self.metrics.read_text()
         except OSError:
             text = ""
-        self.alone_from = text.count("\n") + (bool(text) and not text.endswith("\n")) + 2
+        self.alone_from = text.count("\n") + 2
 
 
 def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) -> str:

@@ -52,17 +52,17 @@ def test_a_run_paused_past_its_deadline_is_stopped_when_its_turn_comes(tmp_path)
 
 class _Job:
     """A stand-in for a training run: "compiles" for ``warm_s``, writes when it is ready (as the trainer logs
-    its first step), then "times" 10 steps 0.05 s apart, each a time stamp."""
+    its first step), then "times" 10 steps 0.15 s apart, each a time stamp."""
 
     def __init__(self, tmp_path, i: int, warm_s: float):
         self.marker, self.steps = tmp_path / f"ready{i}", tmp_path / f"steps{i}"
         script = ("import pathlib, sys, time\n"
                   "time.sleep(float(sys.argv[1]))\n"
-                  "pathlib.Path(sys.argv[2]).write_text(str(time.monotonic()))\n"
+                  "pathlib.Path(sys.argv[2]).write_text('ready')\n"
                   "for _ in range(10):\n"
                   "    with open(sys.argv[3], 'a') as f:\n"
                   "        f.write(f'{time.monotonic()}\\n')\n"
-                  "    time.sleep(0.05)\n")
+                  "    time.sleep(0.15)\n")
         self.run = LimitedRun([sys.executable, "-c", script, str(warm_s), str(self.marker), str(self.steps)],
                               dict(os.environ), limit_s=60)
 
@@ -71,26 +71,37 @@ class _Job:
 
 
 def test_runs_start_together_and_each_goes_on_alone_once_ready(tmp_path):
-    warm_s = [2.0, 1.0, 3.0]  # the first in order is not the first ready
+    # Had the others not been paused, the first one ready (at 2 s) would still be stepping when the next
+    # one gets ready (at 3 s) and starts stepping too.
+    warm_s = [3.0, 2.0, 4.0]  # the first in order is not the first ready
     started = time.monotonic()
     running = [_Job(tmp_path, i, seconds) for i, seconds in enumerate(warm_s)]
-    jobs, order = list(running), []
+    jobs, turns = list(running), []
     while running:  # as the acceptance takes its rows' turns
         job = next_turn(running)
         running.remove(job)
-        order.append(jobs.index(job))
         assert all(other.run.paused_since is not None for other in running)
+        turn_began = time.monotonic()
         code, _, stderr = job.run.finish()
         assert code == 0, stderr
+        turns.append((jobs.index(job), turn_began, time.monotonic()))
         for other in running:
             other.run.resume()
-    assert order == [1, 0, 2]  # in the order they got ready
-    # One after another they would take 6 s to get ready and 1.5 s to time their steps.
-    assert time.monotonic() - started < sum(warm_s) - 1
-    spans = [(float(job.marker.read_text()), max(_stamps(job.steps))) for job in jobs]
-    for i, (ready, done) in enumerate(spans):  # from its ready line to its last step, nobody else ran
-        for j, (other_ready, other_done) in enumerate(spans):
-            assert i == j or other_done < ready or done < other_ready, spans
+    assert [i for i, _, _ in turns] == [1, 0, 2]  # in the order they got ready
+    for i, began, ended in turns:  # during its turn, no other job took a step
+        assert not [stamp for j, job in enumerate(jobs) if j != i for stamp in _stamps(job.steps)
+                    if began < stamp < ended], turns
+    # Their warm-ups overlapped: about 8.5 s in all, against 13.5 s one after another.
+    assert time.monotonic() - started < sum(warm_s) + 10 * 0.15 * 3 - 2
+
+
+def test_a_run_past_its_limit_gets_its_turn_and_is_stopped_then(tmp_path):
+    late = LimitedRun([sys.executable, "-c", TICKER, str(tmp_path / "ticks")], dict(os.environ), limit_s=1)
+    slow = _Job(tmp_path, 0, 30)
+    chosen = next_turn([slow, SimpleNamespace(run=late, ready=lambda: False)])
+    assert chosen.run is late and slow.run.paused_since is not None  # the other paused while it stops
+    assert late.finish()[0] == 124 and late.stopped_by == "its limit of 1 s"
+    slow.run.kill()
 
 
 def test_a_run_that_has_exited_gets_its_turn_at_once(tmp_path):
@@ -111,5 +122,5 @@ def test_a_row_counts_its_first_step_and_the_logged_rows_it_ran_alone(tmp_path):
     row.metrics.write_text('{"step": 1}\n{"step": 5')  # the second line part-written when it went on alone
     assert row.ready() and 0 < row.first_step_s < 60
     row.runs_alone()
-    assert row.alone_from == 4  # not the row at step 5 (done), nor the one at 10 (begun before), from 15 on
+    assert row.alone_from == 3  # not the rows at step 5 (being written) and 10 (begun before): from 15 on
     assert run.finish()[0] == 0

@@ -58,8 +58,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.limited_run import LimitedRun, next_turn, where_it_stopped
-from benchmarks.pretrain_rows import (AUTOCAST, CPU_SMOKE_RUNS, GPU_RUNS, PROFILED_STEPS, PretrainRun, StartedRow,
-                                      partitioning_captured)
+from benchmarks.pretrain_rows import (AUTOCAST, CPU_SMOKE_RUNS, GPU_RUNS, GRAPHS_CELL, PROFILED_STEPS, PretrainRun,
+                                      StartedRow, partitioning_captured)
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,8 +150,7 @@ class Acceptance:
             self.failed.append(f"{name} (no time left)")
             return -1, "", f"skipped: the overall budget was spent before {name}"
         code, stdout, stderr = run.finish()
-        stopped_by = "the end of the overall budget" if run.stopped_by == "its deadline" else run.stopped_by
-        output = stdout + stderr + (f"\n(stopped at {stopped_by})" if code == 124 else "")
+        output = stdout + stderr + (f"\n(stopped at {run.stopped_by})" if code == 124 else "")
         (self.work / f"{name}.log").write_text(output)
         print(output[-3000:], f"=== {name}: exit code {code}", sep="\n", flush=True)
         if code != 0:
@@ -307,7 +306,8 @@ class Acceptance:
             while queue or running:
                 while queue and len(running) < self.together and (queue[0].graph_partition or not running):
                     spec = queue.pop(0)
-                    why = partitioning_captured(spec, {done: figures[5] for done, (figures, _) in results.items()})
+                    graphs_of = {done: cells[GRAPHS_CELL] for done, (cells, _) in results.items()}
+                    why = partitioning_captured(spec, graphs_of)
                     row = None if why else self._start_row(spec, shards, together=self.together > 1)
                     if row is not None and row.run is not None:
                         running.append(row)

@@ -150,7 +150,8 @@ class LimitedRun:
         """Its stacks, then every process under it killed (see the class's doc); its code becomes 124, and
         ``stopped_by`` says what stopped it."""
         by_deadline = self.deadline is not None and self.deadline - time.monotonic() < self.limit_s - self.ran_s()
-        self.stopped_by = "its deadline" if by_deadline else f"its limit of {self.limit_s:.0f} s"
+        self.stopped_by = ("its deadline (the end of its budget)" if by_deadline
+                           else f"its limit of {self.limit_s:.0f} s")
         self.resume()  # a paused process would print its stacks only once let go on
         process = self.process
         under = _descendants(process.pid)  # now: once the command is gone, they are no longer under it
@@ -192,13 +193,18 @@ def next_turn(turns: Sequence[T], poll_s: float = 0.05) -> T:
         time.sleep(poll_s)
 
 
-def _state(pid: int) -> str:
-    """The process's state letter from /proc (T: stopped, Z: exited, not yet reaped); "" when it is gone."""
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...); [] when the process is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/stat") as stat:  # "pid (comm) state ppid ...": comm may hold spaces
+            return stat.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return ""
+        return []
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (T: stopped, Z: exited, not yet reaped); "" when it is gone."""
+    return (_stat(pid) or [""])[0]
 
 
 class _Reader:
@@ -230,11 +236,9 @@ def _descendants(pid: int) -> list[int]:
     """Every live process under ``pid`` (children, theirs, ...), from /proc (Linux)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{entry}/stat") as stat:  # "pid (comm) state ppid ...": comm may hold spaces
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(parent, []).append(int(entry))
+        fields = _stat(int(entry)) if entry.isdigit() else []
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

@@ -69,6 +69,7 @@ class PretrainRun:
 
 
 PROFILED_STEPS = 3  # steps a profiled row runs after its timed ones, under the profiler
+GRAPHS_CELL = 5  # the index of the CUDA-graphs cell in StartedRow.figures
 # Each train.compile_autotune level as the tables and the run names say it.
 AUTOTUNE_LABELS = {False: "", "kernels": "tuned kernels", True: "autotune"}
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
@@ -135,7 +136,8 @@ class StartedRow:
         is timed. The first time it is, how long that took."""
         with contextlib.suppress(OSError):
             if self.metrics.stat().st_size > 0:
-                self.first_step_s = self.first_step_s or self.run.ran_s()
+                if self.first_step_s is None:
+                    self.first_step_s = self.run.ran_s()
                 return True
         return False
 

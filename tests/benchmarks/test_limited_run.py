@@ -47,7 +47,7 @@ def test_a_run_paused_past_its_deadline_is_stopped_when_its_turn_comes(tmp_path)
     run.pause()
     time.sleep(2.5)
     code, _, _ = run.finish()
-    assert code == 124 and run.stopped_by == "its deadline"
+    assert code == 124 and run.stopped_by == "its deadline (the end of its budget)"
 
 
 class _Job:

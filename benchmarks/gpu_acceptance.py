@@ -28,8 +28,11 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    (``train.compile_random=inductor``); samples/s, tokens/s and MFU are the medians of the trainer's own
    ``metrics.jsonl`` after warm-up, with the CUDA graphs the step recorded (the most telling runs first).
    The headline rows then profile 3 more steps (``train.profile``): the device's busy time against the wall
-   time, the top kernels and host ops. Up to ``--together`` rows run at once (4 on a GPU): their compiles,
-   minutes each on the host, overlap; the first to log its first step goes on alone, the others paused.
+   time, the top kernels and host ops. Beside them, transformers' ConvBERT in a plain loop at base's batch of
+   256 (``benchmarks/train_step.py --rows transformers``, compiled and eager): each row's samples/s over its
+   faster row's, at the same preset and shape. Up to ``--together`` rows run at once (4 on a GPU): their
+   compiles, minutes each on the host, overlap; the first ready to time (its first step logged) goes on
+   alone, the others paused.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 7. ``layer_ops``: one layer's ops on their own at base's shape, eager and compiled:
    ``benchmarks/residual_dtype.py`` (the residual stream in bf16 against fp32, with inductor's count of its
@@ -46,10 +49,8 @@ import argparse
 import datetime
 import gzip
 import os
-import platform
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,12 +60,12 @@ from pathlib import Path
 
 from benchmarks.limited_run import LimitedRun, next_turn, where_it_stopped
 from benchmarks.pretrain_rows import (AUTOCAST, CPU_SMOKE_RUNS, GPU_RUNS, GRAPHS_CELL, PROFILED_STEPS, PretrainRun,
-                                      StartedRow, partitioning_captured)
+                                      ReferenceRow, ReferenceRun, StartedRow, partitioning_captured)
+from benchmarks.results_section import device_name, environment, write_results
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
-SECTION = "## GPU acceptance (`python -m benchmarks.gpu_acceptance`)"
 TRAIN_STEP_BASE = ("--preset", "base", "--batch", "64", "--seq", "128", "--steps", "10", "--precision", "bf16",
                    "--ds-config", AUTOCAST)
 
@@ -77,7 +78,7 @@ class Scale:
     sdconv_args: tuple[tuple[str, ...], ...]
     layer_op_commands: tuple[tuple[str, ...], ...]  # one benchmarks/SCRIPT command each: (SCRIPT, *args)
     train_step_args: tuple[tuple[str, ...], ...]  # one benchmarks/train_step.py command each
-    runs: list[PretrainRun]
+    runs: list[PretrainRun | ReferenceRun]
     batch: int
     seq: int
     steps: int
@@ -208,14 +209,21 @@ class Acceptance:
     def pretrain(self) -> str:
         shards = self._shards()
         rows = ["| preset | seq x batch | DeepSpeed file | precision | SDConv | compile | samples/s | tokens/s | "
-                "TFLOP/s | MFU | to first step (s) | CUDA graphs | peak GiB |",
-                "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                "TFLOP/s | MFU | to first step (s) | CUDA graphs | peak GiB | vs transformers |",
+                "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         profiles = []
         chosen = [spec for spec in self.scale.runs if self.rows is None or self.rows.search(self._label(spec))]
         results = self._run_rows(chosen, shards)
+        reference = {}  # (preset, shape): the fastest transformers row's samples/s (compiled or eager)
+        for spec in chosen:
+            if isinstance(spec, ReferenceRun) and _number(results[spec][0][0]):
+                key = (spec.preset, self._shape(spec))
+                reference[key] = max(reference.get(key, 0), _number(results[spec][0][0]))
         for spec in chosen:  # the table in its order, whichever order the rows ran in
             figures, profile = results[spec]
-            rows.append(f"| {self._label(spec)} | " + " | ".join(figures) + " |")
+            theirs, ours = reference.get((spec.preset, self._shape(spec))), _number(figures[0])
+            versus = "-" if isinstance(spec, ReferenceRun) or not (theirs and ours) else f"{ours / theirs:.2f}x"
+            rows.append(f"| {self._label(spec)} | " + " | ".join([*figures, versus]) + " |")
             if profile:
                 profiles += ["", f"`{self._label(spec)}`:", "", _fenced(profile)]
         if profiles:
@@ -248,7 +256,12 @@ class Acceptance:
                           f"drawn in inductor's kernels (`train.compile_random=inductor`); NAME=VALUE: that "
                           f"option of inductor's (`train.compile_options.NAME=VALUE`); P, P residual: the residual "
                           f"stream in P as well "
-                          f"(`model.overrides.residual_dtype=autocast`). {together}".rstrip(), "", *rows, *profiles])
+                          f"(`model.overrides.residual_dtype=autocast`); vs transformers: the row's samples/s over "
+                          f"those of transformers' own ConvBERT at the same preset and shape, its faster row when "
+                          f"it has two (compiled and eager; its rows: "
+                          f"`benchmarks/train_step.py --rows transformers`, a plain loop under torch.autocast, "
+                          f"each step timed between two device syncs; its first-step column: until its warm-up "
+                          f"steps were done). {together}".rstrip(), "", *rows, *profiles])
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
@@ -318,8 +331,8 @@ class Acceptance:
                     running.remove(row)
                     if self.together > 1 and row.first_step_s is not None:  # (else it has exited)
                         row.runs_alone()
-                        print(f"=== {row.name}: first step logged after {row.first_step_s:.0f} s; runs alone, "
-                              f"{len(running)} other(s) paused", flush=True)
+                        print(f"=== {row.name}: ready to time after {row.first_step_s:.0f} s (its first step "
+                              f"logged, or its warm-up done); runs alone, {len(running)} other(s) paused", flush=True)
                     results[row.spec] = self._finish_row(row)
                     for other in running:
                         other.run.resume()
@@ -328,10 +341,19 @@ class Acceptance:
                 row.run.kill()
         return results
 
-    def _start_row(self, spec: PretrainRun, shards: Path, together: bool) -> StartedRow:
+    def _start_row(self, spec: PretrainRun | ReferenceRun, shards: Path, together: bool) -> StartedRow:
         """Start one throughput run (``_finish_row`` waits for it and reads its figures)."""
         name = spec.run_name(*self._shape(spec))
         run_dir = self.work / name
+        if isinstance(spec, ReferenceRun):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            seq, batch = self._shape(spec)
+            row = ReferenceRow(spec, name, run_dir, None, seq=seq)
+            command = spec.command(shards, seq, batch, self.scale.steps, row.ready_file, cpu=self.scale is not GPU)
+            row.run = self.start(name, [sys.executable, "benchmarks/train_step.py", *command],
+                                 limit_s=(270 if spec.compile else 120) * (1.5 if together else 1),
+                                 least_s=60 if spec.compile else 5)
+            return row
         env = {} if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"}
         if together:  # NCCL's heartbeat monitor could take a paused watchdog thread for a hung one and abort
             env["TORCH_NCCL_ENABLE_MONITORING"] = "0"
@@ -399,38 +421,16 @@ def _part_list(text: str) -> list[str]:
     return names
 
 
-def device_name(on_gpu: bool) -> str:
-    import torch
-    return torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.processor() or platform.machine()})"
-
-
-def environment(on_gpu: bool) -> str:
-    import torch
-    import transformers
-    versions = [f"torch {torch.__version__}", f"CUDA {torch.version.cuda}", f"transformers {transformers.__version__}"]
-    for module in ("triton", "deepspeed"):
-        try:
-            versions.append(f"{module} {__import__(module).__version__}")
-        except ImportError:
-            versions.append(f"{module} not installed")
-    if on_gpu:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True)
-        versions.append(f"driver {smi.stdout.strip() or 'unknown'}")
-    return f"Device: {device_name(on_gpu)}, {os.cpu_count()} CPU cores; " + ", ".join(versions) + "."
+def _number(cell: str) -> float | None:
+    """A table cell's number (``3,904``), None for a failed or missing row's."""
+    try:
+        return float(cell.replace(",", ""))
+    except ValueError:
+        return None
 
 
 def _fenced(lines) -> str:
     return "```\n" + "\n".join(lines) + "\n```"
-
-
-def write_results(path: Path, section: str) -> None:
-    """Append this run's section under the GPU acceptance heading (created at the end of the file once)."""
-    text = path.read_text() if path.exists() else ""
-    if SECTION not in text:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + SECTION + "\n\nEach run appends its own section; " \
-            "the newest is last.\n"
-    path.write_text(text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

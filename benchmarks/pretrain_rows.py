@@ -1,6 +1,8 @@
 """The pretraining rows of the GPU acceptance (``benchmarks/gpu_acceptance.py``'s ``pretrain`` part): what
 each row runs through ``convbert_ds.train``, and which rows run, in which order, on a GPU and in the CPU
-smoke run; a started row's run (``StartedRow``)."""
+smoke run; a started row's run (``StartedRow``). Beside them, the reference row (``ReferenceRun``,
+``ReferenceRow``): transformers' own ConvBERT in a plain loop at the same shape, what a user would otherwise
+run, timed by ``benchmarks/train_step.py``."""
 
 from __future__ import annotations
 
@@ -131,15 +133,20 @@ class StartedRow:
         return [median("samples_per_s", ",.0f"), median("tokens_per_s", ",.0f"), median("tflops", ".1f"),
                 median("mfu", ".1%"), first, graphs_cell, peak], profile
 
-    def ready(self) -> bool:
+    def timing_began(self) -> bool:
         """Whether its first step is logged: it has started, compiled (and captured) its step; what follows
-        is timed. The first time it is, how long that took."""
+        is timed."""
         with contextlib.suppress(OSError):
-            if self.metrics.stat().st_size > 0:
-                if self.first_step_s is None:
-                    self.first_step_s = self.run.ran_s()
-                return True
+            return self.metrics.stat().st_size > 0
         return False
+
+    def ready(self) -> bool:
+        """Whether its timing has begun (``timing_began``); the first time it has, how long that took."""
+        if not self.timing_began():
+            return False
+        if self.first_step_s is None:
+            self.first_step_s = self.run.ran_s()
+        return True
 
     def runs_alone(self) -> None:
         """From now on no other row runs: count its logged rows from the second after its last complete
@@ -151,6 +158,72 @@ class StartedRow:
         except OSError:
             text = ""
         self.alone_from = text.count("\n") + 2
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """transformers' own ConvBERT (``ConvBertForMaskedLM`` generator, discriminator with a token-classification
+    head: ``benchmarks/hf_electra.py``) in a plain loop, timed by ``benchmarks/train_step.py --rows
+    transformers`` at one of the table's shapes: the figure each of our rows of that preset and shape is read
+    against (the table's last column). Named like a ``PretrainRun`` where the pretraining part reads it."""
+    preset: str
+    precision: str = "bf16"  # under torch.autocast over fp32 weights, as a user of transformers runs it
+    compile: bool = True  # train_step's --compile-step: torch.compile, mode reduce-overhead on CUDA
+    seq: int | None = None
+    batch: int | None = None
+    graph_partition: bool = True  # (never run without it: the part reads these where it reads PretrainRun's)
+    profile: bool = False
+    ds_config: str = "none (transformers' ConvBERT, plain loop)"  # the table's DeepSpeed-file column
+    sdconv: str = "transformers'"  # its own conv (unfold)
+
+    @property
+    def precision_label(self) -> str:
+        return self.precision
+
+    @property
+    def compile_label(self) -> str:
+        return "torch.compile" if self.compile else "off"
+
+    def run_name(self, seq: int, batch: int) -> str:
+        return f"reference_transformers_{self.preset}_{self.precision}_{self.compile_label.replace('.', '_')}_" \
+               f"seq{seq}_batch{batch}"
+
+    def command(self, shards: Path, seq: int, batch: int, steps: int, ready_file: Path, cpu: bool) -> list[str]:
+        """``benchmarks/train_step.py``'s arguments (after the script) for this row: ``steps`` timed steps of
+        the transformers row alone, the ready file written once its warm-up steps (its compile) are done."""
+        return ["--rows", "transformers", "--preset", self.preset, "--batch", str(batch), "--seq", str(seq),
+                "--steps", str(steps), "--precision", self.precision, "--ds-config", AUTOCAST,
+                *(["--compile-step"] if self.compile else []), *(["--threads", "1"] if cpu else []),
+                "--shards", str(shards), "--ready-file", str(ready_file)]
+
+
+@dataclass
+class ReferenceRow(StartedRow):
+    """The reference row's run: ready once ``train_step.py`` has written its ready file (its warm-up steps,
+    the compile among them, done); its figures from what it printed."""
+    seq: int = 0
+
+    @property
+    def ready_file(self) -> Path:
+        return self.run_dir / "ready"
+
+    def timing_began(self) -> bool:
+        return self.ready_file.exists()
+
+    def runs_alone(self) -> None:
+        """Nothing to leave out: it times only the steps after its ready file, when the others are paused."""
+
+    def figures(self, code: int, output: str, steps: int, warmup_rows: int) -> tuple[list[str], list[str]]:
+        line = next((line for line in output.splitlines() if line.startswith("transformers ConvBERT ")), None)
+        if code != 0 or line is None:
+            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 6, \
+                where_it_stopped(output) if code == 124 else output.strip().splitlines()[-8:]
+        # train_step's timing table: name, median step (s), samples/s, TFLOP/s, MFU
+        _, samples, tflops, mfu = line[len("transformers ConvBERT"):].split()
+        peak = next((line.split()[3] for line in output.splitlines() if line.startswith("peak GPU memory: ")), "-")
+        first = "n/a" if self.first_step_s is None else f"{self.first_step_s:.1f}"
+        return [f"{float(samples):,.0f}", f"{float(samples) * self.seq:,.0f}", f"{float(tflops):.1f}", mfu, first,
+                "-", peak], []
 
 
 def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) -> str:
@@ -167,35 +240,39 @@ def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) 
 
 
 # The most telling first (a 15-minute lease reaches the first two or three; compiling base's whole step takes
-# 120-190 s on a fresh H200). The issue's figures, on the paper configs' path (the autocast file, the whole
-# step compiled and captured by hand: what their cuda_graphs=auto picks on one GPU; the residual stream in
-# bf16, model.overrides.residual_dtype=autocast): base with sdconv_impl=auto as the configs run it (the
-# packed conv through inductor when compiled, model/depthwise.py) at configs/base.yaml's own global batch of
-# 256, which one GPU runs as one micro-batch, profiled: where the step's time goes, kernel by kernel, and the
-# baseline every other row of a lease is read against (leases run on different machines; 28.6% MFU on the
-# 2026-11-28 H200); the same with the fused kernels' block sizes tuned (train.compile_autotune=kernels,
-# profiled: inductor's elementwise and reduction kernels are 22.5 ms of its 63.4, the GELUs running at about
-# 2.7-3 TB/s of the H200's 4.8); the same with inductor's combo kernels (train.compile_options.combo_kernels:
-# independent kernels launched as one, profiled: the step's 1,659 kernels under 10 us, whose count hardly
-# grows with the batch, took 4.41 ms of it); small and base at seq 512 (owed to the issue); base at the acceptance's
-# batch of 128, profiled (the baseline of the leases before; 0.90x the samples/s of batch 256); max-autotune at
-# batch 256 (profiled: what its matmul templates and fused epilogues change, the GELUs and their backwards
-# being 6.8 ms of the batch-256 step; its compile outlasted the 141 s one lease had left); the Triton conv
-# forced (the A/B of the conv); the residual stream in fp32 as autocast leaves it (the A/B of the bf16
-# stream: 3,119 against 3,265 samples/s on the 2026-11-27 H200); ZeRO-1's bf16 weights, captured (no
-# autocast casts, half the elementwise traffic; DeepSpeed's optimizer step outside the graphs); the paper
-# path captured eager, which starts in seconds; each layer width compiled once (train.compile_layers_once:
-# the same samples/s on the H200, its gradients checked there); inductor drawing dropout and sampling in its
-# fused kernels (train.compile_random=inductor: 0.974x the eager draws' samples/s on the 2026-11-28 H200,
-# profiled). Then inductor's CUDA graphs instead of the capture (profiled), and without inductor's graph
-# partitioning (run only when the partitioned step recorded no CUDA graph); eager (profiled); then what each
-# other switch changes, one at a time, with the residual stream autocast leaves (the rows of earlier leases).
+# 120-190 s on a fresh H200). The issue's figures, on the paper configs' path (the autocast file, the whole step
+# compiled and captured by hand: what their cuda_graphs=auto picks on one GPU; the residual stream in bf16,
+# model.overrides.residual_dtype=autocast): base with sdconv_impl=auto as the configs run it (the packed conv
+# through inductor when compiled, model/depthwise.py) at configs/base.yaml's own global batch of 256, which one GPU
+# runs as one micro-batch, profiled: where the step's time goes, kernel by kernel, and the baseline every other row
+# of a lease is read against (leases run on different machines; 28.6% MFU on the 2026-11-28 H200); transformers'
+# ConvBERT compiled in a plain loop at the same shape (the issue's ratio, in the same command as the MFU figure; its
+# compile overlaps the others'); the same with the fused kernels' block sizes tuned (train.compile_autotune=kernels,
+# profiled: inductor's elementwise and reduction kernels are 22.5 ms of its 63.4, the GELUs running at about 2.7-3
+# TB/s of the H200's 4.8); the same with inductor's combo kernels (train.compile_options.combo_kernels: independent
+# kernels launched as one, profiled: the step's 1,659 kernels under 10 us, whose count hardly grows with the batch,
+# took 4.41 ms of it); transformers' ConvBERT eager at that shape (seconds to start: the ratio's fallback, and what
+# a user who does not compile runs); small and base at seq 512 (owed to the issue); base at the acceptance's batch
+# of 128, profiled (the baseline of the leases before; 0.90x the samples/s of batch 256); max-autotune at batch 256
+# (profiled: what its matmul templates and fused epilogues change, the GELUs and their backwards being 6.8 ms of the
+# batch-256 step; its compile outlasted the 141 s one lease had left); the Triton conv forced (the A/B of the conv);
+# the residual stream in fp32 as autocast leaves it (the A/B of the bf16 stream: 3,119 against 3,265 samples/s on
+# the 2026-11-27 H200); ZeRO-1's bf16 weights, captured (no autocast casts, half the elementwise traffic;
+# DeepSpeed's optimizer step outside the graphs); the paper path captured eager, which starts in seconds; each layer
+# width compiled once (train.compile_layers_once: the same samples/s on the H200, its gradients checked there);
+# inductor drawing dropout and sampling in its fused kernels (train.compile_random=inductor: 0.974x the eager draws'
+# samples/s on the 2026-11-28 H200, profiled). Then inductor's CUDA graphs instead of the capture (profiled), and
+# without inductor's graph partitioning (run only when the partitioned step recorded no CUDA graph); eager
+# (profiled); then what each other switch changes, one at a time, with the residual stream autocast leaves (the rows
+# of earlier leases).
 PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture", residual="autocast")
 GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, profile=True),
+            ReferenceRun("base", batch=256),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, autotune="kernels",
                         profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256,
                         options=(("combo_kernels", True),), profile=True),
+            ReferenceRun("base", batch=256, compile=False),
             PretrainRun("small", "bf16", "auto", True, "step", **PAPER_PATH),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, seq=512),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
@@ -220,4 +297,5 @@ GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batc
 # cores its compile took a third of the whole smoke run, and the compiled trainer has tests of its own
 # (tests/engine/test_compile.py).
 CPU_SMOKE_RUNS = [PretrainRun("tiny", "fp32", "torch", False, profile=True),
-                  PretrainRun("tiny", "bf16", "torch", False, ds_config=AUTOCAST, residual="autocast")]
+                  PretrainRun("tiny", "bf16", "torch", False, ds_config=AUTOCAST, residual="autocast"),
+                  ReferenceRun("tiny", "fp32", compile=False)]

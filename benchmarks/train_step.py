@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "its trace to DIR/<row>.pt.trace.json.gz (Perfetto opens it)")
     parser.add_argument("--threads", type=bounded(int, min=1), default=None,
                         help="torch threads (1 gives stable figures on a shared machine)")
+    parser.add_argument("--ready-file", type=Path, default=None, metavar="PATH",
+                        help="written once every row's warm-up steps (compiles, captures) are done, before the "
+                             "timed ones: a caller running other work beside this (the GPU acceptance) pauses it then")
     args = parser.parse_args(argv)
     args.rows = [name.strip() for name in args.rows.split(",") if name.strip()]
     unknown = sorted(set(args.rows) - set(ROW_NAMES))
@@ -225,10 +228,14 @@ def hf_loss(model, batch: dict) -> torch.Tensor:
     return model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
 
 
-def time_rows(rows: list[Row], batches, steps: int, cuda: bool, warmup: int = 2) -> dict[str, list[float]]:
-    """Seconds per step of each row, interleaved; every row gets the same batch and random seed each step."""
+def time_rows(rows: list[Row], batches, steps: int, cuda: bool, warmup: int = 2,
+              ready_file: Path | None = None) -> dict[str, list[float]]:
+    """Seconds per step of each row, interleaved; every row gets the same batch and random seed each step.
+    ``ready_file`` is written between the warm-up steps and the timed ones."""
     times = {row.name: [] for row in rows}
     for i in range(steps + warmup):
+        if i == warmup and ready_file is not None:
+            ready_file.write_text(f"{warmup} warm-up step(s) done\n")
         batch = next(batches)
         for row in rows:
             torch.manual_seed(i)
@@ -418,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
                 yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
         stream = batches()
-        times = time_rows(rows, stream, 0 if args.counts_only else args.steps, cuda, warmup)
+        times = time_rows(rows, stream, 0 if args.counts_only else args.steps, cuda, warmup, args.ready_file)
         counts = count_rows(rows, next(stream))
         if args.profile:
             profile_rows(rows, stream, args.profile)
@@ -437,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.counts_only:
         flops = training_flops_per_sample(config, args.seq) * args.batch
         print_times(times, flops, args.batch, device_peak_tflops(device_name, None))
+    if cuda:  # the allocator's own count, as the trainer logs it (gpu_memory_gib)
+        print(f"peak GPU memory: {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB (all rows, one process)")
     print_counts(counts, compiled=args.compile or args.compile_step)
 
 

@@ -48,7 +48,8 @@ def test_every_part_runs_on_cpu(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| tiny | 64 x 4 | ")]
     assert [row.split("|")[3:7] for row in rows] == [
         [" zero1_bf16 ", " fp32 ", " torch ", " off "],
-        [" zero0_autocast_bf16 ", " bf16, bf16 residual ", " torch ", " off "]], text
+        [" zero0_autocast_bf16 ", " bf16, bf16 residual ", " torch ", " off "],
+        [" none (transformers' ConvBERT, plain loop) ", " fp32 ", " transformers' ", " off "]], text
     # The two rows start together (--together's default in the smoke run); each times its steps alone.
     assert "Up to 2 rows run at once" in text
     starts = [result.stdout.index(f"=== {name}: ") for name in _pretrain_run_names(result.stdout)]
@@ -60,6 +61,15 @@ def test_every_part_runs_on_cpu(tmp_path):
         # The table rounds samples/s to a whole number (toy runs: about 35) and tokens/s too: 64 x half a sample.
         assert samples > 0 and abs(tokens - samples * 64) <= 0.5 * 64 + 0.5, row
         assert row.split("|")[12].strip() == "-" and row.split("|")[13].strip() == "-", row  # no CUDA graph, no GPU
+    # The reference row (transformers' ConvBERT in a plain loop, timed by train_step.py once warmed up, alone like
+    # the others): each of our rows' samples/s over its, from the table's own cells.
+    assert "=== reference_transformers_tiny_fp32_off_seq64_batch4: " in result.stdout
+    assert "benchmarks/train_step.py --rows transformers --preset tiny --batch 4 --seq 64 --steps 10" in result.stdout
+    theirs = float(rows[2].split("|")[7].replace(",", ""))
+    for row in rows[:2]:
+        ours = float(row.split("|")[7].replace(",", ""))
+        assert row.split("|")[14].strip() == f"{ours / theirs:.2f}x", row
+    assert rows[2].split("|")[14].strip() == "-" and float(rows[2].split("|")[11]) > 0, rows[2]
     # The marked row's profile window, as the trainer printed it, after the table (its steps not in the medians).
     profiles = text.split("Profiles of the rows marked for it")[1].split("####")[0]
     assert "`tiny | 64 x 4 | zero1_bf16 | fp32 | torch | off`:" in profiles
@@ -104,16 +114,27 @@ def test_every_gpu_rows_overrides_load_and_name_inductor_options_that_exist(tmp_
     inductor option (``train.compile_options``), that this torch does not know must fail here, not on the lent
     machine. (The plan's other checks need the row's shards; the lent machine runs an older torch.)"""
     from benchmarks.gpu_acceptance import GPU, GPU_RUNS, Acceptance
+    from benchmarks.pretrain_rows import ReferenceRun
+    from benchmarks.train_step import parse_args
     from convbert_ds.engine.compile_options import inductor_options
     from convbert_ds.formats.train_config import load_config
 
     acceptance = Acceptance(GPU, tmp_path, budget_s=1)
+    references = [spec for spec in GPU_RUNS if isinstance(spec, ReferenceRun)]
+    for spec in references:  # train_step.py's own parser takes the reference row's arguments
+        args = parse_args(spec.command(tmp_path / "shards", 128, 256, 40, tmp_path / "ready", cpu=False))
+        assert (args.rows, args.batch, args.compile_step, args.ready_file) == (["transformers"], 256, spec.compile,
+                                                                               tmp_path / "ready")
+    # Beside the baseline row: compiled, and eager (the ratio's fallback, seconds to start).
+    assert [(acceptance._shape(spec), spec.compile) for spec in references] == [((128, 256), True), ((128, 256), False)]
     for spec in GPU_RUNS:
+        if spec in references:
+            continue
         args = acceptance._train_args(spec, tmp_path / "shards", tmp_path / "run", steps=10)
         assert args[0] == "--config", args
         cfg = load_config(args[1], args[2:])
         assert dict(spec.options) == inductor_options(cfg), spec.compile_label
-    assert any(spec.options for spec in GPU_RUNS)
+    assert any(spec.options for spec in GPU_RUNS if spec not in references)
 
 
 def test_a_command_stopped_at_its_limit_says_where_it_was_and_leaves_nothing_running(tmp_path):

@@ -215,9 +215,9 @@ class ReferenceRow(StartedRow):
 
     def figures(self, code: int, output: str, steps: int, warmup_rows: int) -> tuple[list[str], list[str]]:
         line = next((line for line in output.splitlines() if line.startswith("transformers ConvBERT ")), None)
-        if code != 0 or line is None:
-            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 6, \
-                where_it_stopped(output) if code == 124 else output.strip().splitlines()[-8:]
+        if code != 0 or line is None:  # beside the table: where it stood at its limit, or how it failed
+            why = [] if code == -1 else where_it_stopped(output) if code == 124 else output.strip().splitlines()[-8:]
+            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 6, why
         # train_step's timing table: name, median step (s), samples/s, TFLOP/s, MFU
         _, samples, tflops, mfu = line[len("transformers ConvBERT"):].split()
         peak = next((line.split()[3] for line in output.splitlines() if line.startswith("peak GPU memory: ")), "-")

@@ -227,8 +227,9 @@ class Acceptance:
             if profile:
                 profiles += ["", f"`{self._label(spec)}`:", "", _fenced(profile)]
         if profiles:
-            profiles.insert(0, f"\nProfiles of the rows marked for it, and where a row that ran out of time stood "
-                               f"(its Python stack when stopped): {PROFILED_STEPS} steps after the timed ones "
+            profiles.insert(0, f"\nProfiles of the rows marked for it, where a row that ran out of time stood "
+                               f"(its Python stack when stopped), and the last lines of a reference row that "
+                               f"failed: {PROFILED_STEPS} steps after the timed ones "
                                "(`train.profile.start_step=STEPS+1`), as the trainer prints them at the end of the "
                                "window (wall time per step, the profiler's own cost included, against the device's "
                                "busy time; the kernels and the host ops that took the most):")
@@ -261,7 +262,8 @@ class Acceptance:
                           f"it has two (compiled and eager; its rows: "
                           f"`benchmarks/train_step.py --rows transformers`, a plain loop under torch.autocast, "
                           f"each step timed between two device syncs; its first-step column: until its warm-up "
-                          f"steps were done). {together}".rstrip(), "", *rows, *profiles])
+                          f"steps were done; its peak GiB: its whole process's, our model and engine built beside "
+                          f"it among it). {together}".rstrip(), "", *rows, *profiles])
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
@@ -310,8 +312,9 @@ class Acceptance:
 
     def _run_rows(self, specs: list[PretrainRun], shards: Path) -> dict[PretrainRun, tuple[list[str], list[str]]]:
         """Each row's figures and profile (``_finish_row``). Up to ``together`` rows run at once, started in
-        the table's order; the first to log its first step (its compile done) runs on alone while the others
-        wait, paused (``next_turn``), and once it has finished they go on and the next row starts. A row
+        the table's order; the first ready to time (its first step logged, its compile done; a reference row:
+        its warm-up steps done) runs on alone while the others wait, paused (``next_turn``), and once it has
+        finished they go on and the next row starts. A row
         without graph partitioning starts once every row before it has finished: whether it runs at all
         depends on how its twin did (``partitioning_captured``)."""
         queue, running, results = list(specs), [], {}
@@ -349,7 +352,8 @@ class Acceptance:
             run_dir.mkdir(parents=True, exist_ok=True)
             seq, batch = self._shape(spec)
             row = ReferenceRow(spec, name, run_dir, None, seq=seq)
-            command = spec.command(shards, seq, batch, self.scale.steps, row.ready_file, cpu=self.scale is not GPU)
+            command = spec.command(shards, seq, batch, self.scale.steps, row.ready_file,
+                                   row.go_file if together else None, cpu=self.scale is not GPU)
             row.run = self.start(name, [sys.executable, "benchmarks/train_step.py", *command],
                                  limit_s=(270 if spec.compile else 120) * (1.5 if together else 1),
                                  least_s=60 if spec.compile else 5)

@@ -188,30 +188,42 @@ class ReferenceRun:
         return f"reference_transformers_{self.preset}_{self.precision}_{self.compile_label.replace('.', '_')}_" \
                f"seq{seq}_batch{batch}"
 
-    def command(self, shards: Path, seq: int, batch: int, steps: int, ready_file: Path, cpu: bool) -> list[str]:
+    def command(self, shards: Path, seq: int, batch: int, steps: int, ready_file: Path, go_file: Path | None,
+                cpu: bool) -> list[str]:
         """``benchmarks/train_step.py``'s arguments (after the script) for this row: ``steps`` timed steps of
-        the transformers row alone, the ready file written once its warm-up steps (its compile) are done."""
+        the transformers row alone, the ready file written once its warm-up steps (its compile) are done; the
+        timed steps then wait for ``go_file`` (None: at once)."""
         return ["--rows", "transformers", "--preset", self.preset, "--batch", str(batch), "--seq", str(seq),
                 "--steps", str(steps), "--precision", self.precision, "--ds-config", AUTOCAST,
                 *(["--compile-step"] if self.compile else []), *(["--threads", "1"] if cpu else []),
-                "--shards", str(shards), "--ready-file", str(ready_file)]
+                "--shards", str(shards), "--ready-file", str(ready_file),
+                *(["--go-file", str(go_file)] if go_file else [])]
 
 
 @dataclass
 class ReferenceRow(StartedRow):
     """The reference row's run: ready once ``train_step.py`` has written its ready file (its warm-up steps,
-    the compile among them, done); its figures from what it printed."""
+    the compile among them, done); run beside others, it then waits for the go file (``runs_alone``) before
+    its timed steps. Its figures come from what it printed; its peak GiB is its whole process's (our model and
+    engine, built beside transformers' and left unused, among it: about 1 GiB at base)."""
     seq: int = 0
 
     @property
     def ready_file(self) -> Path:
         return self.run_dir / "ready"
 
+    @property
+    def go_file(self) -> Path:
+        return self.run_dir / "go"
+
     def timing_began(self) -> bool:
         return self.ready_file.exists()
 
     def runs_alone(self) -> None:
-        """Nothing to leave out: it times only the steps after its ready file, when the others are paused."""
+        """The others are paused: its timed steps, which wait for the go file, begin now. None of them ran
+        beside another row (though a paused row's last queued GPU work may still drain: one step's worth at
+        most, in a median of 40)."""
+        self.go_file.write_text("the other rows are paused\n")
 
     def figures(self, code: int, output: str, steps: int, warmup_rows: int) -> tuple[list[str], list[str]]:
         line = next((line for line in output.splitlines() if line.startswith("transformers ConvBERT ")), None)

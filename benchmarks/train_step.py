@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ready-file", type=Path, default=None, metavar="PATH",
                         help="written once every row's warm-up steps (compiles, captures) are done, before the "
                              "timed ones: a caller running other work beside this (the GPU acceptance) pauses it then")
+    parser.add_argument("--go-file", type=Path, default=None, metavar="PATH",
+                        help="with --ready-file: the timed steps wait until the caller has written PATH (its word "
+                             "that nothing else runs now)")
     args = parser.parse_args(argv)
     args.rows = [name.strip() for name in args.rows.split(",") if name.strip()]
     unknown = sorted(set(args.rows) - set(ROW_NAMES))
@@ -115,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.compile_step and args.ds_config.startswith("zero3"):
         parser.error(f"--compile-step with --ds-config {args.ds_config}: ZeRO-3 gathers parameters in hooks inside "
                      "the forward, which split the graph; use a ZeRO-0/1/2 file or --compile")
+    if args.go_file and not args.ready_file:
+        parser.error("--go-file: it is the answer to --ready-file; give both, or neither")
     if args.capture and not torch.cuda.is_available():
         parser.error("--capture: CUDA graphs need a CUDA GPU; leave it out on CPU")
     if args.capture and args.ds_config.startswith("zero3"):
@@ -228,14 +233,16 @@ def hf_loss(model, batch: dict) -> torch.Tensor:
     return model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
 
 
-def time_rows(rows: list[Row], batches, steps: int, cuda: bool, warmup: int = 2,
-              ready_file: Path | None = None) -> dict[str, list[float]]:
+def time_rows(rows: list[Row], batches, steps: int, cuda: bool, warmup: int = 2, ready_file: Path | None = None,
+              go_file: Path | None = None) -> dict[str, list[float]]:
     """Seconds per step of each row, interleaved; every row gets the same batch and random seed each step.
-    ``ready_file`` is written between the warm-up steps and the timed ones."""
+    ``ready_file`` is written between the warm-up steps and the timed ones, which then wait for ``go_file``."""
     times = {row.name: [] for row in rows}
     for i in range(steps + warmup):
         if i == warmup and ready_file is not None:
             ready_file.write_text(f"{warmup} warm-up step(s) done\n")
+            while go_file is not None and not go_file.exists():
+                time.sleep(0.01)
         batch = next(batches)
         for row in rows:
             torch.manual_seed(i)
@@ -425,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
                 yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
         stream = batches()
-        times = time_rows(rows, stream, 0 if args.counts_only else args.steps, cuda, warmup, args.ready_file)
+        times = time_rows(rows, stream, 0 if args.counts_only else args.steps, cuda, warmup, args.ready_file,
+                          args.go_file)
         counts = count_rows(rows, next(stream))
         if args.profile:
             profile_rows(rows, stream, args.profile)

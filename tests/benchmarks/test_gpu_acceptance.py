@@ -63,8 +63,11 @@ def test_every_part_runs_on_cpu(tmp_path):
         assert row.split("|")[12].strip() == "-" and row.split("|")[13].strip() == "-", row  # no CUDA graph, no GPU
     # The reference row (transformers' ConvBERT in a plain loop, timed by train_step.py once warmed up, alone like
     # the others): each of our rows' samples/s over its, from the table's own cells.
-    assert "=== reference_transformers_tiny_fp32_off_seq64_batch4: " in result.stdout
-    assert "benchmarks/train_step.py --rows transformers --preset tiny --batch 4 --seq 64 --steps 10" in result.stdout
+    reference = "=== reference_transformers_tiny_fp32_off_seq64_batch4: "
+    assert f"{reference}ready to time after" in result.stdout
+    started = next(line for line in result.stdout.splitlines() if line.startswith(reference) and "train_step" in line)
+    assert "benchmarks/train_step.py --rows transformers --preset tiny --batch 4 --seq 64 --steps 10" in started
+    assert "--ready-file " in started and "--go-file " in started, started  # run beside the others: it waits
     theirs = float(rows[2].split("|")[7].replace(",", ""))
     for row in rows[:2]:
         ours = float(row.split("|")[7].replace(",", ""))
@@ -122,9 +125,10 @@ def test_every_gpu_rows_overrides_load_and_name_inductor_options_that_exist(tmp_
     acceptance = Acceptance(GPU, tmp_path, budget_s=1)
     references = [spec for spec in GPU_RUNS if isinstance(spec, ReferenceRun)]
     for spec in references:  # train_step.py's own parser takes the reference row's arguments
-        args = parse_args(spec.command(tmp_path / "shards", 128, 256, 40, tmp_path / "ready", cpu=False))
-        assert (args.rows, args.batch, args.compile_step, args.ready_file) == (["transformers"], 256, spec.compile,
-                                                                               tmp_path / "ready")
+        args = parse_args(spec.command(tmp_path / "shards", 128, 256, 40, tmp_path / "ready", tmp_path / "go",
+                                       cpu=False))
+        assert (args.rows, args.batch, args.compile_step, args.ready_file, args.go_file) == (
+            ["transformers"], 256, spec.compile, tmp_path / "ready", tmp_path / "go")
     # Beside the baseline row: compiled, and eager (the ratio's fallback, seconds to start).
     assert [(acceptance._shape(spec), spec.compile) for spec in references] == [((128, 256), True), ((128, 256), False)]
     for spec in GPU_RUNS:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
+import time
 
 from launch import REPO, env, run_group
 
@@ -42,3 +44,19 @@ def test_a_subset_of_rows_timed_and_profiled(tiny_corpus, tmp_path):
         assert (tmp_path / "traces" / f"{row}.pt.trace.json.gz").stat().st_size > 1000
     # On CPU the wall-time line says there is no device time to set against it.
     assert result.stdout.count("no CUDA kernels recorded (a CPU run: the host does it all)") == 2, result.stdout
+
+
+def test_the_timed_steps_follow_the_ready_file_and_wait_for_the_go_file(tmp_path):
+    """What the GPU acceptance relies on to time the transformers row alone: the ready file appears only after
+    the warm-up steps, and no timed step begins before the caller's go file (``time_rows``)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from train_step import Row, time_rows
+
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    seen = []  # per step: (ready file there, go file there, when)
+    row = Row("stand-in", lambda batch: seen.append((ready.exists(), go.exists(), time.monotonic())), lambda: None)
+    threading.Timer(0.5, lambda: go.write_text("go\n")).start()
+    started = time.monotonic()
+    times = time_rows([row], iter(range(10)), steps=3, cuda=False, warmup=2, ready_file=ready, go_file=go)
+    assert [(r, g) for r, g, _ in seen] == [(False, False)] * 2 + [(True, True)] * 3, seen
+    assert seen[2][2] - started >= 0.5 and len(times["stand-in"]) == 3

@@ -60,7 +60,7 @@ from pathlib import Path
 
 from benchmarks.limited_run import LimitedRun, next_turn, where_it_stopped
 from benchmarks.pretrain_rows import (AUTOCAST, CPU_SMOKE_RUNS, GPU_RUNS, GRAPHS_CELL, PROFILED_STEPS, PretrainRun,
-                                      ReferenceRow, ReferenceRun, StartedRow, partitioning_captured)
+                                      ReferenceRow, ReferenceRun, StartedRow, partitioning_captured, unfilled)
 from benchmarks.results_section import device_name, environment, write_results
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
@@ -310,7 +310,8 @@ class Acceptance:
         return " | ".join([spec.preset, "{} x {}".format(*self._shape(spec)), spec.ds_config, spec.precision_label,
                            spec.sdconv, spec.compile_label])
 
-    def _run_rows(self, specs: list[PretrainRun], shards: Path) -> dict[PretrainRun, tuple[list[str], list[str]]]:
+    def _run_rows(self, specs: list[PretrainRun | ReferenceRun],
+                  shards: Path) -> dict[PretrainRun | ReferenceRun, tuple[list[str], list[str]]]:
         """Each row's figures and profile (``_finish_row``). Up to ``together`` rows run at once, started in
         the table's order; the first ready to time (its first step logged, its compile done; a reference row:
         its warm-up steps done) runs on alone while the others wait, paused (``next_turn``), and once it has
@@ -328,7 +329,7 @@ class Acceptance:
                     if row is not None and row.run is not None:
                         running.append(row)
                     else:
-                        results[spec] = ([f"not run: {why}"] + [""] * 6, []) if why else self._finish_row(row)
+                        results[spec] = (unfilled(f"not run: {why}"), []) if why else self._finish_row(row)
                 if running:
                     row = next_turn(running)
                     running.remove(row)
@@ -345,29 +346,26 @@ class Acceptance:
         return results
 
     def _start_row(self, spec: PretrainRun | ReferenceRun, shards: Path, together: bool) -> StartedRow:
-        """Start one throughput run (``_finish_row`` waits for it and reads its figures)."""
-        name = spec.run_name(*self._shape(spec))
+        """Start one throughput run (``_finish_row`` waits for it and reads its figures): a trainer row through
+        ``convbert_ds.train``, a reference row through ``benchmarks/train_step.py``."""
+        seq, batch = self._shape(spec)
+        name = spec.run_name(seq, batch)
         run_dir = self.work / name
-        if isinstance(spec, ReferenceRun):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            seq, batch = self._shape(spec)
-            row = ReferenceRow(spec, name, run_dir, None, seq=seq)
-            command = spec.command(shards, seq, batch, self.scale.steps, row.ready_file,
-                                   row.go_file if together else None, cpu=self.scale is not GPU)
-            row.run = self.start(name, [sys.executable, "benchmarks/train_step.py", *command],
-                                 limit_s=(270 if spec.compile else 120) * (1.5 if together else 1),
-                                 least_s=60 if spec.compile else 5)
-            return row
         env = {} if spec.graph_partition else {"TORCHINDUCTOR_GRAPH_PARTITION": "0"}
         if together:  # NCCL's heartbeat monitor could take a paused watchdog thread for a hung one and abort
             env["TORCH_NCCL_ENABLE_MONITORING"] = "0"
-        run = self.start(name, [sys.executable, "-m", "convbert_ds.train",
-                                *self._train_args(spec, shards, run_dir, self.scale.steps)],
-                         # compiling base: 60-150 s on an H100 or H200 with warm caches, over 200 s on a fresh
-                         # machine (the first row); autotuning: minutes more; beside other compiles, longer
-                         limit_s=((360 if spec.autotune else 270) if spec.compile else 120) * (1.5 if together else 1),
-                         env=env, least_s=60 if spec.compile else 5)  # a compile alone takes a minute
-        return StartedRow(spec, name, run_dir, run)
+        if isinstance(spec, ReferenceRun):
+            row = ReferenceRow(spec, name, run_dir, None, seq=seq)
+            run_dir.mkdir(parents=True, exist_ok=True)  # where its ready and go files go
+            command = ["benchmarks/train_step.py", *spec.command(shards, seq, batch, self.scale.steps, row.ready_file,
+                                                                 row.go_file if together else None,
+                                                                 cpu=self.scale is not GPU)]
+        else:
+            row = StartedRow(spec, name, run_dir, None)
+            command = ["-m", "convbert_ds.train", *self._train_args(spec, shards, run_dir, self.scale.steps)]
+        row.run = self.start(name, [sys.executable, *command], limit_s=spec.limit_s * (1.5 if together else 1),
+                             env=env, least_s=60 if spec.compile else 5)  # a compile alone takes a minute
+        return row
 
     def _finish_row(self, started: StartedRow) -> tuple[list[str], list[str]]:
         """The row's figures, and the profile summary the trainer wrote (empty when not profiled)."""

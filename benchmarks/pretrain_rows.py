@@ -12,6 +12,7 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from benchmarks.limited_run import LimitedRun, where_it_stopped
 from convbert_ds.formats.train_config import option_text
@@ -56,6 +57,12 @@ class PretrainRun:
                 f"{'' if self.cuda_graphs == 'inductor' else '_' + self.cuda_graphs}")
 
     @property
+    def limit_s(self) -> float:
+        """Its time limit run on its own: compiling base takes 60-150 s on an H100 or H200 with warm caches,
+        over 200 s on a fresh machine (the first row); autotuning, minutes more."""
+        return (360 if self.autotune else 270) if self.compile else 120
+
+    @property
     def precision_label(self) -> str:
         return self.precision if self.residual == "fp32" else f"{self.precision}, {self.precision} residual"
 
@@ -72,9 +79,20 @@ class PretrainRun:
 
 PROFILED_STEPS = 3  # steps a profiled row runs after its timed ones, under the profiler
 GRAPHS_CELL = 5  # the index of the CUDA-graphs cell in StartedRow.figures
+FIGURE_CELLS = 7  # StartedRow.figures' cells: samples/s, tokens/s, TFLOP/s, MFU, to first step, CUDA graphs, peak
 # Each train.compile_autotune level as the tables and the run names say it.
 AUTOTUNE_LABELS = {False: "", "kernels": "tuned kernels", True: "autotune"}
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
+
+
+def unfilled(verdict: str) -> list[str]:
+    """A row's figure cells when it has none: ``verdict`` says why, the rest are empty."""
+    return [verdict] + [""] * (FIGURE_CELLS - 1)
+
+
+def verdict(code: int) -> str:
+    """Why a run with exit ``code`` has no figures: -1 never started, 124 stopped at its limit."""
+    return {-1: "not run", 124: "timed out"}.get(code, "failed")
 
 
 @dataclass
@@ -117,7 +135,7 @@ class StartedRow:
         elif code != 0 or not steady:
             if code == 124:  # where it stood: a compile, a capture, a collective...
                 profile = ["stopped at its limit; the main thread was in:", *where_it_stopped(output)]
-            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 6, profile
+            return unfilled(verdict(code)), profile
 
         def median(key: str, fmt: str) -> str:
             values = [row[key] for row in steady if row.get(key) is not None]
@@ -129,9 +147,12 @@ class StartedRow:
         graphs = [row["cuda_graphs"] for row in steady if row.get("cuda_graphs") is not None]
         graphs_cell = ("-" if not graphs else str(graphs[0]) if graphs[0] == graphs[-1]
                        else f"{graphs[0]} -> {graphs[-1]}")
-        first = "n/a" if self.first_step_s is None else f"{self.first_step_s:.1f}"
         return [median("samples_per_s", ",.0f"), median("tokens_per_s", ",.0f"), median("tflops", ".1f"),
-                median("mfu", ".1%"), first, graphs_cell, peak], profile
+                median("mfu", ".1%"), self.first_step_cell, graphs_cell, peak], profile
+
+    @property
+    def first_step_cell(self) -> str:
+        return "n/a" if self.first_step_s is None else f"{self.first_step_s:.1f}"
 
     def timing_began(self) -> bool:
         """Whether its first step is logged: it has started, compiled (and captured) its step; what follows
@@ -171,10 +192,16 @@ class ReferenceRun:
     compile: bool = True  # train_step's --compile-step: torch.compile, mode reduce-overhead on CUDA
     seq: int | None = None
     batch: int | None = None
-    graph_partition: bool = True  # (never run without it: the part reads these where it reads PretrainRun's)
-    profile: bool = False
-    ds_config: str = "none (transformers' ConvBERT, plain loop)"  # the table's DeepSpeed-file column
-    sdconv: str = "transformers'"  # its own conv (unfold)
+    # Read where the pretraining part reads a PretrainRun's; the same for every reference row.
+    graph_partition: ClassVar[bool] = True
+    profile: ClassVar[bool] = False
+    ds_config: ClassVar[str] = "none (transformers' ConvBERT, plain loop)"  # the table's DeepSpeed-file column
+    sdconv: ClassVar[str] = "transformers'"  # its own conv (unfold)
+
+    @property
+    def limit_s(self) -> float:
+        """Its time limit run on its own: as a trainer row's, for one compile in train_step."""
+        return 270 if self.compile else 120
 
     @property
     def precision_label(self) -> str:
@@ -229,13 +256,12 @@ class ReferenceRow(StartedRow):
         line = next((line for line in output.splitlines() if line.startswith("transformers ConvBERT ")), None)
         if code != 0 or line is None:  # beside the table: where it stood at its limit, or how it failed
             why = [] if code == -1 else where_it_stopped(output) if code == 124 else output.strip().splitlines()[-8:]
-            return [{-1: "not run", 124: "timed out"}.get(code, "failed")] + [""] * 6, why
+            return unfilled(verdict(code)), why
         # train_step's timing table: name, median step (s), samples/s, TFLOP/s, MFU
         _, samples, tflops, mfu = line[len("transformers ConvBERT"):].split()
         peak = next((line.split()[3] for line in output.splitlines() if line.startswith("peak GPU memory: ")), "-")
-        first = "n/a" if self.first_step_s is None else f"{self.first_step_s:.1f}"
-        return [f"{float(samples):,.0f}", f"{float(samples) * self.seq:,.0f}", f"{float(tflops):.1f}", mfu, first,
-                "-", peak], []
+        return [f"{float(samples):,.0f}", f"{float(samples) * self.seq:,.0f}", f"{float(tflops):.1f}", mfu,
+                self.first_step_cell, "-", peak], []
 
 
 def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) -> str:

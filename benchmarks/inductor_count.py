@@ -4,13 +4,14 @@ backward graphs launch, matmuls included; the bytes all of them read and write (
 bytes of only the kernels inductor fuses itself (``fused_mb``, "MB fused": the elementwise and reduction
 work between the matmuls). On a GPU those kernels are bound by the bytes they move, so the count says on a
 CPU what a change does to them. It is for the kernels built for the device it runs on (C++ on a CPU, Triton
-on a GPU), which group the same work somewhat differently.
+on a GPU), which group the same work somewhat differently; ``gpu_kernels_on_cpu`` has a CPU build the GPU's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -56,3 +57,40 @@ def compiled_counts(name: str, first_call: Callable[[], object]) -> dict[str, fl
                            f"count through the logger {_INDUCTOR_METRICS_LOGGER!r} or compiled from a cache; run "
                            "without --compile, or update benchmarks/inductor_count.py")
     return counts
+
+
+@contextlib.contextmanager
+def gpu_kernels_on_cpu():
+    """Inside, inductor builds for CPU tensors the Triton kernels it would build for a GPU: its Triton backend
+    for CPUs (``cpu_backend="triton"``) runs the GPU's scheduler, fusion rules and code generator, where the
+    default C++ backend groups the same work otherwise. It neither compiles nor runs them: that needs a GPU,
+    or Triton's CPU backend, which is not installed. The ops inductor leaves to others (matmuls, custom ops)
+    run, on zeros: every buffer inductor allocates is zeroed, so an index read from one is valid. What the
+    compiled code computes is meaningless; what it launches, and inductor's count of the bytes
+    (``inductor_metrics_counted``), are the GPU's. Four private names of torch are patched for it; each is
+    restored on exit (a function compiled inside keeps its zeroed buffers and its kernels that do nothing)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    import torch.utils._triton as torch_triton
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    def zeros(size, stride, dtype):
+        elements = sum((s - 1) * t for s, t in zip(size, stride)) + 1 if all(size) else 0
+        return torch.zeros(elements, dtype=dtype).as_strided(size, stride)
+
+    patches = ((torch_triton, "triton_hash_with_backend", lambda: "not-compiled"),  # keys caches by backend
+               (CachingAutotuner, "precompile", lambda self, *args, **kwargs: None),
+               (CachingAutotuner, "run", lambda self, *args, **kwargs: None),
+               (torch._C._dynamo.guards, "_empty_strided_cpu", zeros))  # the wrapper's allocator for CPU buffers
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        # No on-disk cache: what is compiled here must never be found by a real compile.
+        with inductor_config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False), \
+                functorch_config.patch(enable_autograd_cache=False), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Could not find an active CPU backend")
+            yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)

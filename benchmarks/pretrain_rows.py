@@ -290,7 +290,9 @@ def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) 
 # TB/s of the H200's 4.8); the same with inductor's combo kernels (train.compile_options.combo_kernels: independent
 # kernels launched as one, profiled: the step's 1,659 kernels under 10 us, whose count hardly grows with the batch,
 # took 4.41 ms of it); transformers' ConvBERT eager at that shape (seconds to start: the ratio's fallback, and what
-# a user who does not compile runs); small and base at seq 512 (owed to the issue); base at the acceptance's batch
+# a user who does not compile runs); small and base at seq 512 (owed to the issue); programmatic dependent launch at
+# batch 256 (train.compile_options.triton.enable_pdl, profiled: each of inductor's kernels may start while the one
+# before it drains, on Hopper; the step launches 2,663 kernels, most of them short); base at the acceptance's batch
 # of 128, profiled (the baseline of the leases before; 0.90x the samples/s of batch 256); max-autotune at batch 256
 # (profiled: what its matmul templates and fused epilogues change, the GELUs and their backwards being 6.8 ms of the
 # batch-256 step; its compile outlasted the 141 s one lease had left); the Triton conv forced (the A/B of the conv);
@@ -313,6 +315,8 @@ GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batc
             ReferenceRun("base", batch=256, compile=False),
             PretrainRun("small", "bf16", "auto", True, "step", **PAPER_PATH),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, seq=512),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256,
+                        options=(("triton.enable_pdl", True),), profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, autotune=True, profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),

@@ -55,11 +55,14 @@ _MAX_BLOCK_D = 64
 def _configs() -> list[triton.Config]:
     if INTERPRET:
         # One config: no benchmarking, and small blocks so short test sequences span several programs.
-        return [triton.Config({"BLOCK_T": 16}, num_warps=4)]
-    # 8 or 16 tile elements per thread at BLOCK_D = 64: the K taps are unrolled and their loads issued
-    # together, so larger tiles spill registers when compiled for sm_90 (ptxas -v, K = 9).
-    return [triton.Config({"BLOCK_T": block_t}, num_warps=warps)
-            for block_t, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 8), (64, 16))]
+        return [triton.Config({"BLOCK_T": 16, "UNROLL_TAPS": True}, num_warps=4)]
+    # Each block shape with the K taps unrolled, their loads issued together (8 or 16 tile elements per thread
+    # at BLOCK_D = 64: larger tiles spill registers on sm_90), and in a loop: ptxas (sm_90, K = 9, the backward
+    # at BLOCK_T 16 x 4 warps) gives the unrolled kernel 161 registers, 3 programs an SM, the loop 64, 8.
+    # Unrolled, the backward moved its bytes at about 0.7 TB/s in the base step on an H200; which one is
+    # faster is the tuner's to time.
+    return [triton.Config({"BLOCK_T": block_t, "UNROLL_TAPS": unrolled}, num_warps=warps)
+            for block_t, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 8), (64, 16)) for unrolled in (True, False)]
 
 
 # T_TUNE is T rounded up to a power of two: tuning keyed on T itself re-benchmarks every config at each new
@@ -82,6 +85,7 @@ def _sdconv_fwd_kernel(
     sm_b, sm_t, ss_b, ss_t,
     KERNEL_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, STORE_LSE: tl.constexpr, BLOCK_T: tl.constexpr,
+    UNROLL_TAPS: tl.constexpr,
 ):
     PAD: tl.constexpr = (KERNEL_SIZE - 1) // 2
     pid = tl.program_id(0)
@@ -110,7 +114,7 @@ def _sdconv_fwd_kernel(
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for k in tl.static_range(KERNEL_SIZE):
+        for k in tl.range(0, KERNEL_SIZE, loop_unroll_factor=KERNEL_SIZE if UNROLL_TAPS else 1):
             w_k = tl.exp(tl.load(l_rows + k * sl_k, mask=row_ok, other=-float("inf")).to(tl.float32) - lse)
             src = offs_t + (k - PAD)
             src_ok = (src >= 0) & (src < T)
@@ -136,7 +140,7 @@ def _sdconv_bwd_kernel(
     sg_b, sg_t, sg_h, sg_d,
     KERNEL_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SEGMENTS: tl.constexpr, NEED_GRAD_LOGITS: tl.constexpr, NEED_GRAD_VALUES: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, UNROLL_TAPS: tl.constexpr,
 ):
     PAD: tl.constexpr = (KERNEL_SIZE - 1) // 2
     pid = tl.program_id(0)
@@ -166,7 +170,7 @@ def _sdconv_bwd_kernel(
             g_own = tl.load(g_base + offs_t[:, None] * sg_t + offs_d[None, :] * sg_d,
                             mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         grad_v = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for k in tl.static_range(KERNEL_SIZE):
+        for k in tl.range(0, KERNEL_SIZE, loop_unroll_factor=KERNEL_SIZE if UNROLL_TAPS else 1):
             if NEED_GRAD_LOGITS:
                 # dw[t, k] = <g[t], v[t + k - P]>
                 src = offs_t + (k - PAD)

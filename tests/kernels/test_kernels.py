@@ -10,6 +10,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 
 from convbert_ds.kernels import sdconv_triton, triton_dynamic_conv  # noqa: E402
 from convbert_ds.model.sdconv import dynamic_conv, dynamic_conv_reference  # noqa: E402
@@ -149,3 +150,33 @@ def test_segments_match_reference(masked):
     reference = _run(lambda l, v, m: dynamic_conv_reference(l, v, m, segments), logits, values, mask, grad_out)
     for got, want in zip(fused, reference):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _configs_to_check(kernel) -> list:
+    """What the tuner may keep: on a GPU every configuration; in the interpreter, which has one, its block
+    shape with the taps unrolled and looped (``UNROLL_TAPS``: the same Python there, as unrolling is the
+    compiler's; ``test_kernels_compile.py`` compiles both for sm_90)."""
+    if not sdconv_triton.INTERPRET:
+        return kernel.configs
+    (config,) = kernel.configs
+    return [triton.Config({**config.kwargs, "UNROLL_TAPS": unrolled}, num_warps=config.num_warps)
+            for unrolled in (True, False)]
+
+
+def test_every_configuration_the_tuner_may_keep_computes_the_reference(monkeypatch):
+    """The tuner keeps the fastest configuration of each kernel, whose values nothing else checks: each one,
+    alone (a tuner of one configuration runs it without timing), gives the reference's output and gradients,
+    with a value mask and packed documents (every branch of both kernels)."""
+    logits, values, mask, grad_out = _inputs(2, 37, 2, 8, 9, masked=True, seed=5)
+    segments = (torch.arange(37, device=DEVICE) // 12).expand(2, -1)
+    want = _run(lambda l, v, m: dynamic_conv_reference(l, v, m, segments), logits, values, mask, grad_out)
+    kernels = sdconv_triton._sdconv_fwd_kernel, sdconv_triton._sdconv_bwd_kernel
+    pairs = list(zip(*(_configs_to_check(kernel) for kernel in kernels)))
+    assert {forward.kwargs["UNROLL_TAPS"] for forward, _ in pairs} == {True, False}
+    for configs in pairs:
+        for kernel, config in zip(kernels, configs):
+            monkeypatch.setattr(kernel, "configs", [config])
+            monkeypatch.setattr(kernel, "cache", {})
+        got = _run(lambda l, v, m: triton_dynamic_conv(l, v, m, segments), logits, values, mask, grad_out)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda text: f"{configs[0]}: {text}")

@@ -3,8 +3,8 @@ needed.
 
 The interpreter tests in test_kernels.py never run Triton's code generator, so a kernel that only the
 compiled path rejects (constexpr scoping, layouts, dtype rules) would pass CI and fail on the first GPU.
-This compiles the kernels as the JIT would specialise them for ConvBERT-base tensors (the depthwise conv's
-forward in every tuned block shape: it has not run on a GPU yet), in a
+This compiles the kernels as the JIT would specialise them for ConvBERT-base tensors (SDConv's with its taps
+unrolled and looped; the depthwise conv's forward in every tuned block shape: it has not run on a GPU yet), in a
 subprocess because test_kernels.py may already have switched this process to the interpreter.
 """
 
@@ -55,11 +55,12 @@ def compile_kernels(arch: int = 90) -> list[str]:
         mask = torch.empty(batch, seq_len) if masked else None
         segments = torch.empty(batch, seq_len, dtype=torch.int32) if masked else None  # packed documents
         lse = torch.empty(batch, heads, seq_len)
-        done.append(build(sd._sdconv_fwd_kernel,
-                          *sd.forward_args(logits, values, mask, segments, values, lse, masked)))
         grads = (logits, values) if masked else (None, values)
-        done.append(build(sd._sdconv_bwd_kernel,
-                          *sd.backward_args(values, logits, values, mask, segments, lse, *grads)))
+        for index in (0, 1):  # one block shape with its taps unrolled, then looped
+            done.append(build(sd._sdconv_fwd_kernel,
+                              *sd.forward_args(logits, values, mask, segments, values, lse, masked), index))
+            done.append(build(sd._sdconv_bwd_kernel,
+                              *sd.backward_args(values, logits, values, mask, segments, lse, *grads), index))
 
     from convbert_ds.kernels import document_conv_triton as dc
 
@@ -87,6 +88,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     result = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("_sdconv_") == 4, result.stdout
+    assert result.stdout.count("_sdconv_") == 8, result.stdout
+    assert result.stdout.count("'UNROLL_TAPS': False") == 4, result.stdout
     # Forward: 5 tuned block shapes in fp32, 1 in bf16; backward (one block shape): fp32 and bf16.
     assert result.stdout.count("_document_conv_") == 8, result.stdout

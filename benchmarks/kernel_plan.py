@@ -1,0 +1,256 @@
+"""What the whole compiled ELECTRA step launches on a GPU, and the bytes its fused kernels move, planned on a
+CPU: inductor's Triton kernels for the paper configs' step, counted but never run.
+
+    python benchmarks/kernel_plan.py                          # base, seq 128, batches 8 and 16, figures at 256
+    python benchmarks/kernel_plan.py --override residual_dtype=fp32      # a variant of the model, to A/B
+    python benchmarks/kernel_plan.py --preset tiny --seq 32 --batches 2 4 --at 64
+
+Why: on a GPU most of the step's time outside the matmuls is inductor's fused kernels (LayerNorms, GELUs,
+dropouts' backwards, residual adds, the packed conv), and they are bound by the bytes they move. A CPU
+compile builds C++ kernels, which inductor groups otherwise; here (``inductor_count.gpu_kernels_on_cpu``)
+it builds the Triton kernels it would build for a GPU, and counts their bytes. So a change to the model
+can be A/B'd in the bytes a GPU would move, on a machine without one.
+
+The step is the trainer's compiled one (``compile_step``: masking, both bodies, sampling, losses, forward
+and backward) under bf16 autocast, the residual stream in bf16 and each sample packed from three
+documents, as the paper configs run it on a GPU. What runs as on a GPU, outside inductor's kernels:
+- the SDConv as its Triton custom ops (``sdconv_impl: auto`` on CUDA), here returning zeros;
+- attention as one opaque op forward and one backward (cuDNN's on a GPU, opaque to inductor too);
+- dropout as aten's kernel (``train.compile_random: eager``).
+
+Each batch of ``--batches`` is compiled in turn; with two, each kernel's bytes split into a part per sample
+and a part per step whatever the batch (weights, their casts and gradients, the embeddings' gradients),
+and the figures are given at ``--at``. ``--bandwidth``: the rate that turns bytes into milliseconds,
+calibrated on an H200 (benchmarks/RESULTS.md: the bytes planned here at batch 256 against the device time
+its profile gave inductor's kernels). What can differ from a GPU's plan: CPU autocast casts a few ops
+(softmax, the losses) otherwise than CUDA's; torch's version (a lease's may be older); the reductions'
+split, which follows the device's core count. Matmuls and the other ops inductor does not fuse are listed
+apart: their time is not a matter of bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # importing the SDConv kernels on a machine without a GPU
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import yaml  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/kernel_plan.py`
+
+from benchmarks.document_conv import three_documents_per_sample  # noqa: E402
+from benchmarks.inductor_count import gpu_kernels_on_cpu, inductor_metrics_counted  # noqa: E402
+from benchmarks.train_step import electra_config_for  # noqa: E402
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
+from convbert_ds.config import PRESET_NAMES  # noqa: E402
+from convbert_ds.engine.profiling import fused_part  # noqa: E402
+
+VOCAB, SPECIAL_IDS = 30522, {"pad": 0, "cls": 2, "sep": 3, "mask": 4}
+H200_BANDWIDTH_TBPS = 2.82  # inductor's kernels on an H200, base at batch 256 (benchmarks/RESULTS.md)
+
+
+@torch.library.custom_op("kernel_plan::attention", mutates_args=())
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+              dropout_p: float) -> torch.Tensor:
+    """Stands in for ``scaled_dot_product_attention``: its output's shape and layout, zeros."""
+    return value.new_zeros((*query.shape[:-1], value.shape[-1]))
+
+
+@attention.register_fake
+def _(query, key, value, mask, dropout_p):
+    return value.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+@torch.library.custom_op("kernel_plan::attention_backward", mutates_args=())
+def attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       out: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    return [torch.zeros_like(t) for t in (query, key, value)]
+
+
+@attention_backward.register_fake
+def _(grad, query, key, value, out, mask):
+    return [torch.empty_like(t) for t in (query, key, value)]
+
+
+def _attention_setup(ctx, inputs, output):
+    query, key, value, mask, _ = inputs
+    ctx.save_for_backward(query, key, value, output, mask)
+
+
+def _attention_grads(ctx, grad):
+    return (*attention_backward(grad, *ctx.saved_tensors), None, None)
+
+
+attention.register_autograd(_attention_grads, setup_context=_attention_setup)
+
+
+def _stand_in_attention(query, key, value, attn_mask=None, dropout_p=0.0, **_):
+    return attention(query, key, value, attn_mask, dropout_p)
+
+
+def _as_on_a_gpu():
+    """What the model does on CUDA, on CPU tensors: ``sdconv_impl: auto`` picks the SDConv's Triton custom ops
+    without probing them (their launches return zeros here), and attention is ``_stand_in_attention``."""
+    from convbert_ds.kernels import sdconv_triton
+    from convbert_ds.model import depthwise, sdconv
+
+    resolve = sdconv.resolve_impl
+
+    def resolve_as_on_cuda(impl, device):
+        return resolve(impl, torch.device("cuda"))
+
+    def sdconv_zeros(kernel_logits, values, value_mask, segments, store_lse):
+        batch, seq_len, heads, _ = kernel_logits.shape
+        return torch.zeros_like(values), values.new_zeros((batch, heads, seq_len) if store_lse else (0,),
+                                                          dtype=torch.float32)
+
+    def sdconv_grad_zeros(grad_out, kernel_logits, values, value_mask, segments, lse, need_grad_logits,
+                          need_grad_values):
+        return (torch.zeros_like(kernel_logits) if need_grad_logits else None,
+                torch.zeros_like(values) if need_grad_values else None)
+
+    return ((sdconv, "resolve_impl", resolve_as_on_cuda), (depthwise, "resolve_impl", resolve_as_on_cuda),
+            (sdconv, "cached_reason", lambda key, probe: None), (depthwise, "cached_reason", lambda key, probe: None),
+            (sdconv_triton, "sdconv_forward", sdconv_zeros), (sdconv_triton, "sdconv_backward", sdconv_grad_zeros),
+            (F, "scaled_dot_product_attention", _stand_in_attention))
+
+
+def plan_step(preset: str, batch: int, seq: int, overrides: dict) -> list[tuple[str, str, float]]:
+    """``(kind, name, MB)`` of every kernel and extern op of one compiled step's forward and backward at
+    ``batch`` x ``seq``: kind is inductor's part of the layer (``profiling.fused_part``) for its fused
+    kernels, ``extern`` for the rest (name: the op)."""
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+    from torch._inductor.utils import get_fused_kernel_name
+
+    from convbert_ds.model import ElectraForPretraining
+    from convbert_ds.model.layers import compile_step
+
+    config = electra_config_for(preset, VOCAB, SPECIAL_IDS, max_position_embeddings=max(512, seq),
+                                **{"sdconv_impl": "auto", "residual_dtype": "autocast", **overrides})
+    torch.manual_seed(0)
+    model = ElectraForPretraining(config)
+    ids = torch.randint(5, VOCAB, (batch, seq))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids),
+                  document_ids=three_documents_per_sample(batch, seq, ids.device))
+    patches = _as_on_a_gpu()
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        with gpu_kernels_on_cpu(), inductor_metrics_counted() as metrics:
+            compile_step(model, cuda_graphs=False)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**inputs, check=False).loss
+            loss.backward()
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+    kernels = []
+    for node, quarter_bytes in metrics.nodes_num_elem:  # inductor keeps each kernel's bytes // 4
+        if isinstance(node, NopKernelSchedulerNode):
+            continue
+        if isinstance(node, ExternKernelSchedulerNode):
+            ir = node.node
+            name = str(getattr(ir, "op_overload", None) or getattr(ir, "python_kernel_name", None) or type(ir).__name__)
+            kind = "extern"
+        else:
+            name = get_fused_kernel_name(node.get_nodes(), "original_aten")
+            kind = fused_part(name)
+        kernels.append((kind, name, 4 * quarter_bytes / 1e6))
+    return kernels
+
+
+def split_per_sample(plans: dict[int, list], at: int) -> dict[tuple[str, str], tuple[int, float, float]]:
+    """``(kind, name) -> (count, MB per sample, MB per step)`` of every kernel, from its bytes at one or two
+    batch sizes (one: all per sample); bytes are linear in the batch."""
+    totals: dict[int, dict] = {}
+    for batch, kernels in plans.items():
+        by_name = totals[batch] = defaultdict(lambda: [0, 0.0])
+        for kind, name, mb in kernels:
+            by_name[(kind, name)][0] += 1
+            by_name[(kind, name)][1] += mb
+    (small, first), *rest = sorted(totals.items())
+    large, second = rest[0] if rest else (small, first)
+    split = {}
+    for key in first.keys() | second.keys():
+        (count, mb_small), (_, mb_large) = first.get(key, (0, 0.0)), second.get(key, (0, 0.0))
+        per_sample = (mb_large - mb_small) / (large - small) if large != small else mb_small / small
+        split[key] = (count, per_sample, max(0.0, mb_small - small * per_sample))
+    return split
+
+
+def print_plan(split: dict, at: int, bandwidth: float, top: int) -> None:
+    parts: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    externs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for (kind, name), (count, per_sample, per_step) in split.items():
+        group = externs[name] if kind == "extern" else parts[kind]
+        for i, value in enumerate((count, per_sample, per_step)):
+            group[i] += value
+
+    def row(label: str, count: float, per_sample: float, per_step: float, timed: bool = True) -> str:
+        gb = (per_sample * at + per_step) / 1e3
+        ms = f"{gb / bandwidth:9.2f}" if timed else f"{'':9}"
+        return f"  {label:<44}{count:>7,.0f}{per_sample:>12.2f}{per_step:>10.1f}{gb:>10.2f}{ms}"
+
+    header = f"  {'':<44}{'kernels':>7}{'MB/sample':>12}{'MB/step':>10}{f'GB@{at}':>10}{'ms':>9}"
+    print(f"\ninductor's fused kernels by part of the layer (ms: at {bandwidth:g} TB/s; MB/step: whatever the batch):")
+    print(header)
+    for part, figures in sorted(parts.items(), key=lambda item: -(item[1][1] * at + item[1][2])):
+        print(row(part, *figures))
+    print(row("all of inductor's fused kernels", *(sum(f[i] for f in parts.values()) for i in range(3))))
+    print("\nops inductor does not fuse (matmuls, attention, SDConv, dropout; their time is not their bytes'):")
+    print(header)
+    for name, figures in sorted(externs.items(), key=lambda item: -(item[1][1] * at + item[1][2])):
+        if figures[1] * at + figures[2] >= 1.0:
+            print(row(name[:44], *figures, timed=False))
+    print(f"\nthe {top} fused kernels that move the most at batch {at} (kernels of one name summed):")
+    largest = sorted(((per_sample * at + per_step, count, name) for (kind, name), (count, per_sample, per_step)
+                      in split.items() if kind != "extern"), reverse=True)[:top]
+    for mb, count, name in largest:
+        print(f"  {mb / 1e3:8.2f} GB x{count:<4} {name[:110]}")
+
+
+def _override(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--override {text!r}: expected KEY=VALUE, a field of the model's config "
+                          "(model.overrides in a run's YAML), e.g. --override residual_dtype=fp32")
+    return key, yaml.safe_load(value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="base")
+    parser.add_argument("--seq", type=bounded(int, min=8), default=128)
+    parser.add_argument("--batches", type=bounded(int, min=1), nargs="+", default=[8, 16],
+                        help="one or two batch sizes to compile (two split the bytes per sample from those per step)")
+    parser.add_argument("--at", type=bounded(int, min=1), default=256, help="the batch the figures are given at")
+    parser.add_argument("--bandwidth", type=bounded(float, min=0.01), default=H200_BANDWIDTH_TBPS,
+                        help="TB/s that turn the fused kernels' bytes into ms "
+                             f"(default: {H200_BANDWIDTH_TBPS}, an H200's)")
+    parser.add_argument("--override", type=_override, action="append", default=[], metavar="KEY=VALUE",
+                        help="a field of the model's config (model.overrides), e.g. residual_dtype=fp32; repeatable")
+    parser.add_argument("--top", type=bounded(int, min=1), default=15, help="fused kernels listed")
+    args = parser.parse_args(argv)
+    if len(set(args.batches)) != len(args.batches) or len(args.batches) > 2:
+        parser.error(f"--batches takes one or two different sizes, got {args.batches}")
+    overrides = dict(args.override)
+    plans = {batch: plan_step(args.preset, batch, args.seq, overrides) for batch in args.batches}
+    print(f"planned on CPU for a GPU (inductor's Triton kernels, not run): preset={args.preset} seq={args.seq} "
+          f"batches={','.join(map(str, args.batches))} bf16 autocast, packed documents"
+          f"{''.join(f', {k}={v}' for k, v in overrides.items())} | torch {torch.__version__}")
+    for batch, kernels in plans.items():
+        fused = [mb for kind, _, mb in kernels if kind != "extern"]
+        print(f"batch {batch}: {len(fused):,} fused kernels ({sum(fused):,.1f} MB), "
+              f"{len(kernels) - len(fused):,} other ops, forward and backward")
+    print_plan(split_per_sample(plans, args.at), args.at, args.bandwidth, args.top)
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))

@@ -11,41 +11,25 @@ subprocess because test_kernels.py may already have switched this process to the
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 def compile_kernels(arch: int = 90) -> list[str]:
     """Compile forward and backward for a few dtype/flag combinations; returns a line per compiled kernel."""
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import native_specialize_impl
-
+    from benchmarks.kernel_registers import compile_for_gpu
     from convbert_ds.kernels import sdconv_triton as sd
 
     assert not sd.INTERPRET, "compile_kernels must run without TRITON_INTERPRET"
-    target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
 
     def build(kernel, args, meta, config_index=0):
-        fn = kernel.fn  # the JITFunction under triton.autotune
-        config = kernel.configs[config_index]
-        constexprs = {**meta, **config.kwargs}
-        signature, attrs = {}, {}
-        for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
-            kind, spec = native_specialize_impl(type(backend), arg, False, True, True)
-            signature[name] = kind
-            if kind == "constexpr":
-                constexprs[name] = spec
-            else:
-                attrs[(i,)] = backend.parse_attr(spec)
-        signature.update({name: "constexpr" for name in fn.arg_names[len(args):]})
-        options = backend.parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages})
-        compiled = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-        assert compiled.asm["cubin"], fn.__name__
-        return f"{fn.__name__} {meta} {config.kwargs}"
+        compiled = compile_for_gpu(kernel, args, meta, config_index, arch)
+        assert compiled.asm["cubin"], kernel.fn.__name__
+        return f"{kernel.fn.__name__} {meta} {kernel.configs[config_index].kwargs}"
 
     done = []
     batch, seq_len, heads, head_dim = 2, 512, 6, 64
@@ -83,12 +67,27 @@ def test_kernels_compile_for_sm90(tmp_path):
         pytest.skip("this triton build ships no ptxas")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    script = ("import sys; sys.path.insert(0, sys.argv[1]); import test_kernels_compile as t; "
+    script = ("import sys; sys.path[:0] = sys.argv[1:]; import test_kernels_compile as t; "
               "print('\\n'.join(t.compile_kernels(90)))")
-    result = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
+    result = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__), str(REPO)], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("_sdconv_") == 8, result.stdout
     assert result.stdout.count("'UNROLL_TAPS': False") == 4, result.stdout
     # Forward: 5 tuned block shapes in fp32, 1 in bf16; backward (one block shape): fp32 and bf16.
     assert result.stdout.count("_document_conv_") == 8, result.stdout
+
+
+def test_the_register_table_lists_every_configuration_the_tuner_may_pick():
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("this triton build ships no cuobjdump")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernel_registers.py")], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("forward", "backward"))]
+    assert len(rows) == 24, result.stdout  # 6 block shapes, taps unrolled and looped, forward and backward
+    for _, block_t, warps, taps, registers, local, programs, warps_per_sm in rows:
+        assert taps in ("unrolled", "loop") and 0 < int(registers) <= 255 and int(programs) >= 1, result.stdout
+        assert int(warps_per_sm) == int(programs) * int(warps) <= 64, result.stdout

@@ -1,0 +1,122 @@
+"""Registers, local memory and occupancy of the SDConv kernels as a GPU would run them, on any machine: each
+configuration the tuner may pick, compiled for sm_90 by Triton's own compiler (to a cubin, with the ptxas it
+ships) at ConvBERT-base's shapes (bf16, head size 64, K = 9, packed documents), read back with its cuobjdump.
+
+    python benchmarks/kernel_registers.py
+    python benchmarks/kernel_registers.py --arch 100 --seq 512
+
+Why: the kernels are bound by memory, whose latency an SM hides with the programs it holds at once, and
+the registers each thread needs decide how many that is (an SM has 65,536 registers, allocated 8 per thread
+at a time, and runs at most 64 warps and 32 programs). The time each configuration takes is the tuner's
+to measure on a GPU; this says what each costs in registers, without one. Local memory is what the
+compiler spilled there (and the stack): loads and stores that the source does not have.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/kernel_registers.py`
+
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
+from convbert_ds.errors import UserError  # noqa: E402
+
+REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 64, 32  # sm_90 and sm_100 alike
+
+
+def compile_for_gpu(kernel, args: tuple, meta: dict, config_index: int = 0, arch: int = 90):
+    """``kernel`` (a ``triton.autotune``d JIT function) compiled for ``sm_<arch>`` as the JIT would specialise
+    it for ``args`` (tensors only their dtypes and alignment matter for) with ``meta`` and its configuration
+    ``config_index``; no GPU needed. Returns Triton's ``CompiledKernel`` (``.asm["cubin"]``)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import native_specialize_impl
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    fn = kernel.fn  # the JITFunction under triton.autotune
+    config = kernel.configs[config_index]
+    constexprs = {**meta, **config.kwargs}
+    signature, attrs = {}, {}
+    for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
+        kind, spec = native_specialize_impl(type(backend), arg, False, True, True)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = spec
+        else:
+            attrs[(i,)] = backend.parse_attr(spec)
+    signature.update({name: "constexpr" for name in fn.arg_names[len(args):]})
+    options = backend.parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages})
+    return triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """``registers`` per thread and ``local`` bytes per thread of the one kernel in ``cubin``."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / "kernel.cubin"
+        path.write_bytes(cubin)
+        listing = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(path)], capture_output=True,
+                                 text=True, check=True).stdout
+    found = {key: re.search(rf"\b{key}:(\d+)", listing) for key in ("REG", "LOCAL")}
+    if not all(found.values()):
+        raise RuntimeError(f"cuobjdump printed no REG/LOCAL line for the kernel:\n{listing}")
+    return {"registers": int(found["REG"].group(1)), "local": int(found["LOCAL"].group(1))}
+
+
+def programs_per_sm(registers: int, warps: int) -> int:
+    """How many programs of ``warps`` warps, at ``registers`` per thread, one SM holds at once."""
+    allocated = -(-max(registers, 1) // 8) * 8
+    return min(REGISTERS_PER_SM // (allocated * 32 * warps), MAX_WARPS_PER_SM // warps, MAX_PROGRAMS_PER_SM)
+
+
+def sdconv_launches(batch: int, seq: int, heads: int = 6, head_dim: int = 64, kernel_size: int = 9,
+                    dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, object, tuple, dict]]:
+    """``(label, kernel, args, meta)`` of SDConv's forward and backward as the model launches them on packed
+    documents (a lse stored, both gradients), on empty tensors of those shapes."""
+    from convbert_ds.kernels import sdconv_triton as sd
+
+    logits = torch.empty(batch, seq, heads, kernel_size, dtype=dtype)
+    values = torch.empty(batch, seq, heads, head_dim, dtype=dtype)
+    segments = torch.empty(batch, seq, dtype=torch.int32)
+    lse = torch.empty(batch, heads, seq)
+    return [("forward", sd._sdconv_fwd_kernel, *sd.forward_args(logits, values, None, segments, values, lse, True)),
+            ("backward", sd._sdconv_bwd_kernel,
+             *sd.backward_args(values, logits, values, None, segments, lse, logits, values))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=bounded(int, min=70), default=90, help="compute capability x 10 (90: H100)")
+    parser.add_argument("--seq", type=bounded(int, min=1), default=128)
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        raise UserError("TRITON_INTERPRET is set: the kernels would be the interpreter's, with its one "
+                        "configuration; run without it (env -u TRITON_INTERPRET python benchmarks/kernel_registers.py)")
+    import triton
+
+    print(f"SDConv's kernels compiled for sm_{args.arch} (bf16, head size 64, K = 9, packed documents, seq "
+          f"{args.seq}) | triton {triton.__version__}")
+    print(f"{'kernel':<10}{'BLOCK_T':>8}{'warps':>7}{'taps':>10}{'registers':>11}{'local B':>9}"
+          f"{'programs/SM':>13}{'warps/SM':>10}")
+    for label, kernel, launch_args, meta in sdconv_launches(batch=2, seq=args.seq):
+        for index, config in enumerate(kernel.configs):
+            usage = resource_usage(compile_for_gpu(kernel, launch_args, meta, index, args.arch).asm["cubin"])
+            programs = programs_per_sm(usage["registers"], config.num_warps)
+            taps = "unrolled" if config.kwargs["UNROLL_TAPS"] else "loop"
+            print(f"{label:<10}{config.kwargs['BLOCK_T']:>8}{config.num_warps:>7}{taps:>10}{usage['registers']:>11}"
+                  f"{usage['local']:>9}{programs:>13}{programs * config.num_warps:>10}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main))

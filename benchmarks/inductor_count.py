@@ -82,15 +82,21 @@ def gpu_kernels_on_cpu():
                (CachingAutotuner, "precompile", lambda self, *args, **kwargs: None),
                (CachingAutotuner, "run", lambda self, *args, **kwargs: None),
                (torch._C._dynamo.guards, "_empty_strided_cpu", zeros))  # the wrapper's allocator for CPU buffers
+    # No on-disk cache: what is compiled here must never be found by a real compile.
+    with attributes_set(patches), warnings.catch_warnings(), functorch_config.patch(enable_autograd_cache=False), \
+            inductor_config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False):
+        warnings.filterwarnings("ignore", message="Could not find an active CPU backend")
+        yield
+
+
+@contextlib.contextmanager
+def attributes_set(patches):
+    """Inside, each ``(owner, name, value)`` of ``patches`` has ``owner.name = value``; on exit, what it was."""
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:
         for owner, name, value in patches:
             setattr(owner, name, value)
-        # No on-disk cache: what is compiled here must never be found by a real compile.
-        with inductor_config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False), \
-                functorch_config.patch(enable_autograd_cache=False), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Could not find an active CPU backend")
-            yield
+        yield
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)

@@ -3,6 +3,7 @@ CPU: inductor's Triton kernels for the paper configs' step, counted but never ru
 
     python benchmarks/kernel_plan.py                          # base, seq 128, batches 8 and 16, figures at 256
     python benchmarks/kernel_plan.py --override residual_dtype=fp32      # a variant of the model, to A/B
+    python benchmarks/kernel_plan.py --option combo_kernels=true         # an inductor option (train.compile_options)
     python benchmarks/kernel_plan.py --preset tiny --seq 32 --batches 2 4 --at 64
 
 Why: on a GPU most of the step's time outside the matmuls is inductor's fused kernels (LayerNorms, GELUs,
@@ -31,6 +32,7 @@ apart: their time is not a matter of bytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections import defaultdict
@@ -45,26 +47,29 @@ import yaml  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/kernel_plan.py`
 
 from benchmarks.document_conv import three_documents_per_sample  # noqa: E402
-from benchmarks.inductor_count import gpu_kernels_on_cpu, inductor_metrics_counted  # noqa: E402
+from benchmarks.inductor_count import attributes_set, gpu_kernels_on_cpu, inductor_metrics_counted  # noqa: E402
 from benchmarks.train_step import electra_config_for  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
-from convbert_ds.config import PRESET_NAMES  # noqa: E402
+from convbert_ds.config import PRESET_NAMES, ModelConfig  # noqa: E402
+from convbert_ds.engine.compile_options import inductor_options  # noqa: E402
 from convbert_ds.engine.profiling import fused_part  # noqa: E402
+from convbert_ds.formats.train_config import load_config, option_text  # noqa: E402
 
 VOCAB, SPECIAL_IDS = 30522, {"pad": 0, "cls": 2, "sep": 3, "mask": 4}
-H200_BANDWIDTH_TBPS = 2.82  # inductor's kernels on an H200, base at batch 256 (benchmarks/RESULTS.md)
+H200_BANDWIDTH_TBPS = 2.80  # inductor's kernels on an H200, base at batch 256 (benchmarks/RESULTS.md)
 
 
 @torch.library.custom_op("kernel_plan::attention", mutates_args=())
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
               dropout_p: float) -> torch.Tensor:
-    """Stands in for ``scaled_dot_product_attention``: its output's shape and layout, zeros."""
-    return value.new_zeros((*query.shape[:-1], value.shape[-1]))
+    """Stands in for ``scaled_dot_product_attention``, zeros in the query's shape and layout: what cuDNN's and
+    flash attention's kernels return where the values' head size is the queries' (ConvBERT's)."""
+    return torch.zeros_like(query)
 
 
 @attention.register_fake
 def _(query, key, value, mask, dropout_p):
-    return value.new_empty((*query.shape[:-1], value.shape[-1]))
+    return torch.empty_like(query)
 
 
 @torch.library.custom_op("kernel_plan::attention_backward", mutates_args=())
@@ -121,10 +126,62 @@ def _as_on_a_gpu():
             (F, "scaled_dot_product_attention", _stand_in_attention))
 
 
-def plan_step(preset: str, batch: int, seq: int, overrides: dict) -> list[tuple[str, str, float]]:
+def reached_bytes(node) -> int:
+    """What one of inductor's kernels reads and writes (``node``: its scheduler node), buffer by buffer: the
+    elements its indexing reaches (``MemoryDep.numbytes_hint``: a slice of a wider buffer, a row broadcast
+    over a tile), at most the buffer; the buffers a fused kernel keeps to itself are never stored, so they
+    are not counted. Inductor's own count (``get_read_write_buffers_sizes``) takes each buffer of a fused
+    kernel whole: a kernel that reads a 384-wide slice of the stacked input projections' 1,536-wide output
+    counted all of it, and fusing fewer nodes made a step's count smaller (``max_fusion_size=1``: 0.61 of it,
+    tiny). Ops inductor does not fuse keep inductor's count."""
+    from torch._inductor.dependencies import WeakDep
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, FusedSchedulerNode, NopKernelSchedulerNode
+    from torch._inductor.virtualized import V
+
+    if isinstance(node, NopKernelSchedulerNode):
+        return 0
+    if isinstance(node, ExternKernelSchedulerNode):
+        return node.get_read_write_buffers_sizes()
+    stored = {dep.name for dep in node.read_writes.writes}
+    if isinstance(node, FusedSchedulerNode):
+        parts = set(node.snodes)
+        stored = {name for name in stored
+                  if any(user.node not in parts for user in node.scheduler.name_to_buf[name].users)}
+    total = 0
+    for deps in (node.read_writes.reads, [dep for dep in node.read_writes.writes if dep.name in stored]):
+        reached: dict[str, int] = defaultdict(int)
+        for dep in deps:
+            if not isinstance(dep, WeakDep):  # an order between kernels, not an access
+                reached[dep.name] = max(reached[dep.name], dep.numbytes_hint())
+        total += sum(min(nbytes, _buffer_bytes(V.graph, name, nbytes)) for name, nbytes in reached.items())
+    return total
+
+
+def _buffer_bytes(graph, name: str, otherwise: int) -> int:
+    """The bytes of buffer ``name`` of ``graph``; ``otherwise`` where it has none of its own (a mutation's)."""
+    buffer = graph.try_get_buffer(name)
+    try:
+        return graph.sizevars.optimization_hint(buffer.get_numel(), fallback=0) * buffer.get_dtype().itemsize
+    except (AttributeError, NotImplementedError):  # no such buffer, or a layout without a size (NoneLayout)
+        return otherwise
+
+
+def _count_reached_bytes(count_bytes):
+    """``GraphLowering.count_bytes`` (what fills ``torch._inductor.metrics``) with each kernel's bytes as
+    ``reached_bytes`` counts them."""
+    def counted(graph):
+        _, nodes, runtimes = count_bytes(graph)
+        per_node = [(node, reached_bytes(node) // 4) for node, _ in nodes]  # metrics keep bytes // 4
+        return sum(4 * quarter for _, quarter in per_node), per_node, runtimes
+    return counted
+
+
+def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict) -> list[tuple[str, str, float]]:
     """``(kind, name, MB)`` of every kernel and extern op of one compiled step's forward and backward at
-    ``batch`` x ``seq``: kind is inductor's part of the layer (``profiling.fused_part``) for its fused
-    kernels, ``extern`` for the rest (name: the op)."""
+    ``batch`` x ``seq`` (``overrides``: of the model's config; ``options``: inductor's, checked): kind is
+    inductor's part of the layer (``profiling.fused_part``) for its fused kernels, ``extern`` for the rest
+    (name: the op)."""
+    from torch._inductor.graph import GraphLowering
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.utils import get_fused_kernel_name
 
@@ -138,19 +195,12 @@ def plan_step(preset: str, batch: int, seq: int, overrides: dict) -> list[tuple[
     ids = torch.randint(5, VOCAB, (batch, seq))
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids),
                   document_ids=three_documents_per_sample(batch, seq, ids.device))
-    patches = _as_on_a_gpu()
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    try:
-        for owner, name, value in patches:
-            setattr(owner, name, value)
-        with gpu_kernels_on_cpu(), inductor_metrics_counted() as metrics:
-            compile_step(model, cuda_graphs=False)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(**inputs, check=False).loss
-            loss.backward()
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
+    patches = (*_as_on_a_gpu(), (GraphLowering, "count_bytes", _count_reached_bytes(GraphLowering.count_bytes)))
+    with attributes_set(patches), gpu_kernels_on_cpu(), inductor_metrics_counted() as metrics:
+        compile_step(model, cuda_graphs=False, options=options)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**inputs, check=False).loss
+        loss.backward()
     kernels = []
     for node, quarter_bytes in metrics.nodes_num_elem:  # inductor keeps each kernel's bytes // 4
         if isinstance(node, NopKernelSchedulerNode):
@@ -166,7 +216,7 @@ def plan_step(preset: str, batch: int, seq: int, overrides: dict) -> list[tuple[
     return kernels
 
 
-def split_per_sample(plans: dict[int, list], at: int) -> dict[tuple[str, str], tuple[int, float, float]]:
+def split_per_sample(plans: dict[int, list]) -> dict[tuple[str, str], tuple[int, float, float]]:
     """``(kind, name) -> (count, MB per sample, MB per step)`` of every kernel, from its bytes at one or two
     batch sizes (one: all per sample); bytes are linear in the batch."""
     totals: dict[int, dict] = {}
@@ -219,8 +269,8 @@ def print_plan(split: dict, at: int, bandwidth: float, top: int) -> None:
 def _override(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--override {text!r}: expected KEY=VALUE, a field of the model's config "
-                          "(model.overrides in a run's YAML), e.g. --override residual_dtype=fp32")
+        raise argparse.ArgumentTypeError(f"--override {text!r}: expected KEY=VALUE, a field of the model's "
+                                         "config (model.overrides in a run's YAML), e.g. residual_dtype=fp32")
     return key, yaml.safe_load(value)
 
 
@@ -236,20 +286,31 @@ def main(argv: list[str] | None = None) -> None:
                              f"(default: {H200_BANDWIDTH_TBPS}, an H200's)")
     parser.add_argument("--override", type=_override, action="append", default=[], metavar="KEY=VALUE",
                         help="a field of the model's config (model.overrides), e.g. residual_dtype=fp32; repeatable")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="one of inductor's options, as train.compile_options takes it (e.g. combo_kernels=true): "
+                             "what a GPU row could A/B without a change of code; repeatable")
     parser.add_argument("--top", type=bounded(int, min=1), default=15, help="fused kernels listed")
     args = parser.parse_args(argv)
     if len(set(args.batches)) != len(args.batches) or len(args.batches) > 2:
         parser.error(f"--batches takes one or two different sizes, got {args.batches}")
     overrides = dict(args.override)
-    plans = {batch: plan_step(args.preset, batch, args.seq, overrides) for batch in args.batches}
+    fields = {field.name for field in dataclasses.fields(ModelConfig)}
+    for key in overrides.keys() - fields:
+        parser.error(f"--override {key}=...: the model's config has no field {key!r}; "
+                     f"its fields: {', '.join(sorted(fields))}")
+    # Checked as the trainer checks train.compile_options (a ConfigError names the option and the fix).
+    options = inductor_options(load_config(None, ["train.compile_mode=step",
+                                                  *(f"train.compile_options.{text}" for text in args.option)]))
+    plans = {batch: plan_step(args.preset, batch, args.seq, overrides, options) for batch in args.batches}
     print(f"planned on CPU for a GPU (inductor's Triton kernels, not run): preset={args.preset} seq={args.seq} "
           f"batches={','.join(map(str, args.batches))} bf16 autocast, packed documents"
-          f"{''.join(f', {k}={v}' for k, v in overrides.items())} | torch {torch.__version__}")
+          f"{''.join(f', {k}={v}' for k, v in overrides.items())}"
+          f"{''.join(f', inductor {option_text(k, v)}' for k, v in options.items())} | torch {torch.__version__}")
     for batch, kernels in plans.items():
         fused = [mb for kind, _, mb in kernels if kind != "extern"]
         print(f"batch {batch}: {len(fused):,} fused kernels ({sum(fused):,.1f} MB), "
               f"{len(kernels) - len(fused):,} other ops, forward and backward")
-    print_plan(split_per_sample(plans, args.at), args.at, args.bandwidth, args.top)
+    print_plan(split_per_sample(plans), args.at, args.bandwidth, args.top)
 
 
 if __name__ == "__main__":

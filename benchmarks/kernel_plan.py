@@ -31,8 +31,6 @@ apart: their time is not a matter of bytes.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
 from collections import defaultdict
@@ -42,7 +40,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # importing the SDConv kernels o
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import yaml  # noqa: E402
+from torch import library as torch_ops  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/kernel_plan.py`
 
@@ -50,7 +48,7 @@ from benchmarks.document_conv import three_documents_per_sample  # noqa: E402
 from benchmarks.inductor_count import attributes_set, gpu_kernels_on_cpu, inductor_metrics_counted  # noqa: E402
 from benchmarks.train_step import electra_config_for  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
-from convbert_ds.config import PRESET_NAMES, ModelConfig  # noqa: E402
+from convbert_ds.config import PRESET_NAMES  # noqa: E402
 from convbert_ds.engine.compile_options import inductor_options  # noqa: E402
 from convbert_ds.engine.profiling import fused_part  # noqa: E402
 from convbert_ds.formats.train_config import load_config, option_text  # noqa: E402
@@ -59,7 +57,7 @@ VOCAB, SPECIAL_IDS = 30522, {"pad": 0, "cls": 2, "sep": 3, "mask": 4}
 H200_BANDWIDTH_TBPS = 2.80  # inductor's kernels on an H200, base at batch 256 (benchmarks/RESULTS.md)
 
 
-@torch.library.custom_op("kernel_plan::attention", mutates_args=())
+@torch_ops.custom_op("convbert_ds::attention_stand_in", mutates_args=())
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
               dropout_p: float) -> torch.Tensor:
     """Stands in for ``scaled_dot_product_attention``, zeros in the query's shape and layout: what cuDNN's and
@@ -72,7 +70,7 @@ def _(query, key, value, mask, dropout_p):
     return torch.empty_like(query)
 
 
-@torch.library.custom_op("kernel_plan::attention_backward", mutates_args=())
+@torch_ops.custom_op("convbert_ds::attention_stand_in_backward", mutates_args=())
 def attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        out: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
     return [torch.zeros_like(t) for t in (query, key, value)]
@@ -266,14 +264,6 @@ def print_plan(split: dict, at: int, bandwidth: float, top: int) -> None:
         print(f"  {mb / 1e3:8.2f} GB x{count:<4} {name[:110]}")
 
 
-def _override(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--override {text!r}: expected KEY=VALUE, a field of the model's "
-                                         "config (model.overrides in a run's YAML), e.g. residual_dtype=fp32")
-    return key, yaml.safe_load(value)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=PRESET_NAMES, default="base")
@@ -284,8 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth", type=bounded(float, min=0.01), default=H200_BANDWIDTH_TBPS,
                         help="TB/s that turn the fused kernels' bytes into ms "
                              f"(default: {H200_BANDWIDTH_TBPS}, an H200's)")
-    parser.add_argument("--override", type=_override, action="append", default=[], metavar="KEY=VALUE",
-                        help="a field of the model's config (model.overrides), e.g. residual_dtype=fp32; repeatable")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a field of the model's config, as model.overrides takes it (e.g. residual_dtype=fp32); "
+                             "repeatable")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="one of inductor's options, as train.compile_options takes it (e.g. combo_kernels=true): "
                              "what a GPU row could A/B without a change of code; repeatable")
@@ -293,14 +284,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if len(set(args.batches)) != len(args.batches) or len(args.batches) > 2:
         parser.error(f"--batches takes one or two different sizes, got {args.batches}")
-    overrides = dict(args.override)
-    fields = {field.name for field in dataclasses.fields(ModelConfig)}
-    for key in overrides.keys() - fields:
-        parser.error(f"--override {key}=...: the model's config has no field {key!r}; "
-                     f"its fields: {', '.join(sorted(fields))}")
-    # Checked as the trainer checks train.compile_options (a ConfigError names the option and the fix).
-    options = inductor_options(load_config(None, ["train.compile_mode=step",
-                                                  *(f"train.compile_options.{text}" for text in args.option)]))
+    # Read as a run's overrides are, and the options checked as the trainer checks train.compile_options; a
+    # model field that does not exist is a ConfigError when the model is built (config.preset).
+    cfg = load_config(None, ["train.compile_mode=step", *(f"model.overrides.{text}" for text in args.override),
+                             *(f"train.compile_options.{text}" for text in args.option)])
+    overrides, options = dict(cfg.model.overrides), inductor_options(cfg)
     plans = {batch: plan_step(args.preset, batch, args.seq, overrides, options) for batch in args.batches}
     print(f"planned on CPU for a GPU (inductor's Triton kernels, not run): preset={args.preset} seq={args.seq} "
           f"batches={','.join(map(str, args.batches))} bf16 autocast, packed documents"

@@ -270,7 +270,9 @@ def preset(name: str, **overrides) -> ModelConfig:
     if name not in _PRESETS:
         raise ConfigError(f"preset {name!r} is unknown; use one of {PRESET_NAMES}")
     values, _ = _PRESETS[name]
-    return ModelConfig(**{**dict(num_hidden_layers=12, conv_kernel_size=9, head_ratio=2), **values, **overrides})
+    # from_dict: a field that does not exist is a ConfigError naming it (model.overrides), not a TypeError.
+    defaults = dict(num_hidden_layers=12, conv_kernel_size=9, head_ratio=2)
+    return ModelConfig.from_dict({**defaults, **values, **overrides})
 
 
 def preset_generator_multiplier(name: str) -> float:

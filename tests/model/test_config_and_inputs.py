@@ -56,6 +56,8 @@ def test_invalid_model_configs_name_the_field(changes, field):
 def test_unknown_fields_and_presets_are_rejected():
     with pytest.raises(ConfigError, match="hidden_sise"):
         ModelConfig.from_dict({"hidden_sise": 128})
+    with pytest.raises(ConfigError, match="hidden_sise"):  # model.overrides reach the model through preset
+        preset("tiny", hidden_sise=128)
     with pytest.raises(ConfigError, match="preset 'large'"):
         preset("large")
 

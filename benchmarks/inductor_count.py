@@ -67,10 +67,13 @@ def gpu_kernels_on_cpu():
     or Triton's CPU backend, which is not installed. The ops inductor leaves to others (matmuls, custom ops)
     run, on zeros: every buffer inductor allocates is zeroed, so an index read from one is valid. What the
     compiled code computes is meaningless; what it launches, and inductor's count of the bytes
-    (``inductor_metrics_counted``), are the GPU's. Four private names of torch are patched for it; each is
-    restored on exit (a function compiled inside keeps its zeroed buffers and its kernels that do nothing)."""
+    (``inductor_metrics_counted``), are the GPU's. So are the configurations inductor's heuristics give each
+    kernel: they see CUDA as available, as on a GPU (a LayerNorm's row then runs on one warp, not eight).
+    Five private names of torch are patched for it; each is restored on exit (a function compiled inside
+    keeps its zeroed buffers and its kernels that do nothing)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+    import torch._inductor.runtime.triton_heuristics as heuristics
     import torch.utils._triton as torch_triton
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
@@ -81,12 +84,31 @@ def gpu_kernels_on_cpu():
     patches = ((torch_triton, "triton_hash_with_backend", lambda: "not-compiled"),  # keys caches by backend
                (CachingAutotuner, "precompile", lambda self, *args, **kwargs: None),
                (CachingAutotuner, "run", lambda self, *args, **kwargs: None),
-               (torch._C._dynamo.guards, "_empty_strided_cpu", zeros))  # the wrapper's allocator for CPU buffers
+               (torch._C._dynamo.guards, "_empty_strided_cpu", zeros),  # the wrapper's allocator for CPU buffers
+               (heuristics, "torch", _TorchWithCuda()))
     # No on-disk cache: what is compiled here must never be found by a real compile.
     with attributes_set(patches), warnings.catch_warnings(), functorch_config.patch(enable_autograd_cache=False), \
             inductor_config.patch(cpu_backend="triton", compile_threads=1, fx_graph_cache=False):
         warnings.filterwarnings("ignore", message="Could not find an active CPU backend")
         yield
+
+
+class _TorchWithCuda:
+    """``torch`` as inductor's kernel heuristics see it in ``gpu_kernels_on_cpu``: CUDA available (they ask
+    only that of it), everything else torch's own."""
+
+    class _Cuda:
+        def __getattr__(self, name):
+            return getattr(torch.cuda, name)
+
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+    cuda = _Cuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ CPU: inductor's Triton kernels for the paper configs' step, counted but never ru
     python benchmarks/kernel_plan.py --override residual_dtype=fp32      # a variant of the model, to A/B
     python benchmarks/kernel_plan.py --option combo_kernels=true         # an inductor option (train.compile_options)
     python benchmarks/kernel_plan.py --preset tiny --seq 32 --batches 2 4 --at 64
+    python benchmarks/kernel_plan.py --instructions     # and the instructions each kernel issues on an H200
 
 Why: on a GPU most of the step's time outside the matmuls is inductor's fused kernels (LayerNorms, GELUs,
 dropouts' backwards, residual adds, the packed conv), and they are bound by the bytes they move. A CPU
@@ -19,6 +20,10 @@ documents, as the paper configs run it on a GPU. What runs as on a GPU, outside 
 - attention as one opaque op forward and one backward (cuDNN's on a GPU, opaque to inductor too);
 - dropout as aten's kernel (``train.compile_random: eager``).
 
+With ``--instructions``, each fused kernel is also compiled for an H200 (``sm_90``) and the instructions its
+warps issue counted from its machine code (``kernel_issue``): a kernel whose instructions take longer than
+its bytes is bound by them, which no count of bytes shows (the exact GELU's erf).
+
 Each batch of ``--batches`` is compiled in turn; with two, each kernel's bytes split into a part per sample
 and a part per step whatever the batch (weights, their casts and gradients, the embeddings' gradients),
 and the figures are given at ``--at``. ``--bandwidth``: the rate that turns bytes into milliseconds,
@@ -32,25 +37,26 @@ apart: their time is not a matter of bytes.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # importing the SDConv kernels on a machine without a GPU
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import library as torch_ops  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import library as torch_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/kernel_plan.py`
 
 from benchmarks.document_conv import three_documents_per_sample  # noqa: E402
 from benchmarks.inductor_count import attributes_set, gpu_kernels_on_cpu, inductor_metrics_counted  # noqa: E402
+from benchmarks.kernel_issue import H200_PEAK_TBPS, issue_ms, launches_recorded, warp_instructions  # noqa: E402
 from benchmarks.train_step import electra_config_for  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.config import PRESET_NAMES  # noqa: E402
 from convbert_ds.engine.compile_options import inductor_options  # noqa: E402
 from convbert_ds.engine.profiling import fused_part  # noqa: E402
+from convbert_ds.errors import UserError  # noqa: E402
 from convbert_ds.formats.train_config import load_config, option_text  # noqa: E402
 
 VOCAB, SPECIAL_IDS = 30522, {"pad": 0, "cls": 2, "sep": 3, "mask": 4}
@@ -121,6 +127,7 @@ def _as_on_a_gpu():
     return ((sdconv, "resolve_impl", resolve_as_on_cuda), (depthwise, "resolve_impl", resolve_as_on_cuda),
             (sdconv, "cached_reason", lambda key, probe: None), (depthwise, "cached_reason", lambda key, probe: None),
             (sdconv_triton, "sdconv_forward", sdconv_zeros), (sdconv_triton, "sdconv_backward", sdconv_grad_zeros),
+            (sdconv_triton, "INTERPRET", True),  # their input check's "CPU tensors need the interpreter"
             (F, "scaled_dot_product_attention", _stand_in_attention))
 
 
@@ -174,11 +181,13 @@ def _count_reached_bytes(count_bytes):
     return counted
 
 
-def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict) -> list[tuple[str, str, float]]:
-    """``(kind, name, MB)`` of every kernel and extern op of one compiled step's forward and backward at
-    ``batch`` x ``seq`` (``overrides``: of the model's config; ``options``: inductor's, checked): kind is
-    inductor's part of the layer (``profiling.fused_part``) for its fused kernels, ``extern`` for the rest
-    (name: the op)."""
+def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict, instructions: bool = False
+              ) -> list[tuple[str, str, float, float]]:
+    """``(kind, name, MB, warp instructions)`` of every kernel and extern op of one compiled step's forward
+    and backward at ``batch`` x ``seq`` (``overrides``: of the model's config; ``options``: inductor's,
+    checked): kind is inductor's part of the layer (``profiling.fused_part``) for its fused kernels,
+    ``extern`` for the rest (name: the op). Warp instructions (``kernel_issue``): with ``instructions``, for
+    inductor's kernels, those of a name shared evenly among them; 0 otherwise."""
     from torch._inductor.graph import GraphLowering
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.utils import get_fused_kernel_name
@@ -194,11 +203,15 @@ def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict)
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids),
                   document_ids=three_documents_per_sample(batch, seq, ids.device))
     patches = (*_as_on_a_gpu(), (GraphLowering, "count_bytes", _count_reached_bytes(GraphLowering.count_bytes)))
-    with attributes_set(patches), gpu_kernels_on_cpu(), inductor_metrics_counted() as metrics:
+    with attributes_set(patches), gpu_kernels_on_cpu(), inductor_metrics_counted() as metrics, \
+            launches_recorded() as launches:
         compile_step(model, cuda_graphs=False, options=options)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(**inputs, check=False).loss
         loss.backward()
+    issued: dict[str, float] = defaultdict(float)
+    for launch in launches if instructions else ():
+        issued[fused_name_of(launch.name)] += warp_instructions(launch)
     kernels = []
     for node, quarter_bytes in metrics.nodes_num_elem:  # inductor keeps each kernel's bytes // 4
         if isinstance(node, NopKernelSchedulerNode):
@@ -210,58 +223,88 @@ def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict)
         else:
             name = get_fused_kernel_name(node.get_nodes(), "original_aten")
             kind = fused_part(name)
-        kernels.append((kind, name, 4 * quarter_bytes / 1e6))
-    return kernels
+        kernels.append([kind, name, 4 * quarter_bytes / 1e6, 0.0])
+    launched = defaultdict(list)
+    for kernel in kernels:
+        launched[kernel[1]].append(kernel)
+    unmatched = sorted(set(issued) - set(launched))
+    if unmatched:  # the kernels' names and the scheduler's would then no longer agree: a count would be lost
+        raise RuntimeError(f"launched kernels that no fused node of the plan names: {unmatched[:5]}")
+    for name, total in issued.items():
+        for kernel in launched[name]:
+            kernel[3] = total / len(launched[name])
+    return [tuple(kernel) for kernel in kernels]
 
 
-def split_per_sample(plans: dict[int, list]) -> dict[tuple[str, str], tuple[int, float, float]]:
-    """``(kind, name) -> (count, MB per sample, MB per step)`` of every kernel, from its bytes at one or two
-    batch sizes (one: all per sample); bytes are linear in the batch."""
+def fused_name_of(kernel_name: str) -> str:
+    """The fused name (``get_fused_kernel_name``'s) in a Triton kernel's name: ``triton_poi_fused_gelu_view_53``
+    -> ``fused_gelu_view``."""
+    return re.sub(r"_\d+$", "", re.sub(r"^triton_[a-z]+_", "", kernel_name))
+
+
+def split_per_sample(plans: dict[int, list]) -> dict[tuple[str, str], tuple[int, float, float, float, float]]:
+    """``(kind, name) -> (count, MB per sample, MB per step, warp instructions per sample, per step)`` of every
+    kernel, from its figures at one or two batch sizes (one: all per sample); both are linear in the batch."""
     totals: dict[int, dict] = {}
     for batch, kernels in plans.items():
-        by_name = totals[batch] = defaultdict(lambda: [0, 0.0])
-        for kind, name, mb in kernels:
-            by_name[(kind, name)][0] += 1
-            by_name[(kind, name)][1] += mb
+        by_name = totals[batch] = defaultdict(lambda: [0, 0.0, 0.0])
+        for kind, name, mb, instructions in kernels:
+            figures = by_name[(kind, name)]
+            figures[0] += 1
+            figures[1] += mb
+            figures[2] += instructions
     (small, first), *rest = sorted(totals.items())
     large, second = rest[0] if rest else (small, first)
     split = {}
     for key in first.keys() | second.keys():
-        (count, mb_small), (_, mb_large) = first.get(key, (0, 0.0)), second.get(key, (0, 0.0))
-        per_sample = (mb_large - mb_small) / (large - small) if large != small else mb_small / small
-        split[key] = (count, per_sample, max(0.0, mb_small - small * per_sample))
+        (count, *at_small), (_, *at_large) = first.get(key, (0, 0.0, 0.0)), second.get(key, (0, 0.0, 0.0))
+        split[key] = (count,)
+        for low, high in zip(at_small, at_large):
+            per_sample = (high - low) / (large - small) if large != small else low / small
+            split[key] += (per_sample, max(0.0, low - small * per_sample))
     return split
 
 
 def print_plan(split: dict, at: int, bandwidth: float, top: int) -> None:
-    parts: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    externs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    for (kind, name), (count, per_sample, per_step) in split.items():
+    """The plan's tables at batch ``at``; with instructions counted, each row's issue time on an H200 too."""
+    parts: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    externs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    for (kind, name), figures in split.items():
         group = externs[name] if kind == "extern" else parts[kind]
-        for i, value in enumerate((count, per_sample, per_step)):
+        # A kernel's floor: the longer of its bytes at the HBM's peak and its instructions at the full clock.
+        floor = max((figures[1] * at + figures[2]) / 1e3 / H200_PEAK_TBPS, issue_ms(figures[3] * at + figures[4]))
+        for i, value in enumerate((*figures, floor)):
             group[i] += value
+    issued = any(figures[3] or figures[4] for figures in split.values())
 
-    def row(label: str, count: float, per_sample: float, per_step: float, timed: bool = True) -> str:
+    def row(label: str, count: float, per_sample: float, per_step: float, issue_sample: float = 0.0,
+            issue_step: float = 0.0, floor: float = 0.0, timed: bool = True) -> str:
         gb = (per_sample * at + per_step) / 1e3
         ms = f"{gb / bandwidth:9.2f}" if timed else f"{'':9}"
-        return f"  {label:<44}{count:>7,.0f}{per_sample:>12.2f}{per_step:>10.1f}{gb:>10.2f}{ms}"
+        issue = f"{issue_ms(issue_sample * at + issue_step):9.2f}{floor:9.2f}" if issued and timed else ""
+        return f"  {label:<44}{count:>7,.0f}{per_sample:>12.2f}{per_step:>10.1f}{gb:>10.2f}{ms}{issue}"
 
-    header = f"  {'':<44}{'kernels':>7}{'MB/sample':>12}{'MB/step':>10}{f'GB@{at}':>10}{'ms':>9}"
-    print(f"\ninductor's fused kernels by part of the layer (ms: at {bandwidth:g} TB/s; MB/step: whatever the batch):")
+    header = (f"  {'':<44}{'kernels':>7}{'MB/sample':>12}{'MB/step':>10}{f'GB@{at}':>10}{'ms':>9}"
+              + (f"{'issue ms':>9}{'floor ms':>9}" if issued else ""))
+    print(f"\ninductor's fused kernels by part of the layer (ms: at {bandwidth:g} TB/s; MB/step: whatever the batch"
+          + (f"; issue ms: their instructions at one a clock per scheduler of an H200; floor ms: per kernel, the "
+             f"longer of that and its bytes at the HBM's {H200_PEAK_TBPS:g} TB/s" if issued else "") + "):")
     print(header)
     for part, figures in sorted(parts.items(), key=lambda item: -(item[1][1] * at + item[1][2])):
         print(row(part, *figures))
-    print(row("all of inductor's fused kernels", *(sum(f[i] for f in parts.values()) for i in range(3))))
+    print(row("all of inductor's fused kernels", *(sum(f[i] for f in parts.values()) for i in range(6))))
     print("\nops inductor does not fuse (matmuls, attention, SDConv, dropout; their time is not their bytes'):")
     print(header)
     for name, figures in sorted(externs.items(), key=lambda item: -(item[1][1] * at + item[1][2])):
         if figures[1] * at + figures[2] >= 1.0:
-            print(row(name[:44], *figures, timed=False))
-    print(f"\nthe {top} fused kernels that move the most at batch {at} (kernels of one name summed):")
-    largest = sorted(((per_sample * at + per_step, count, name) for (kind, name), (count, per_sample, per_step)
-                      in split.items() if kind != "extern"), reverse=True)[:top]
-    for mb, count, name in largest:
-        print(f"  {mb / 1e3:8.2f} GB x{count:<4} {name[:110]}")
+            print(row(name[:44], *figures[:3], timed=False))
+    print(f"\nthe {top} fused kernels that move the most at batch {at} (kernels of one name summed"
+          f"{'; ms at the bandwidth, then issue ms' if issued else ''}):")
+    largest = sorted(((f[1] * at + f[2], f[3] * at + f[4], f[0], name) for (kind, name), f in split.items()
+                      if kind != "extern"), reverse=True)[:top]
+    for mb, instructions, count, name in largest:
+        times = f"{mb / 1e3 / bandwidth:6.2f} {issue_ms(instructions):6.2f}  " if issued else ""
+        print(f"  {mb / 1e3:8.2f} GB {times}x{count:<4} {name[:110]}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -281,21 +324,29 @@ def main(argv: list[str] | None = None) -> None:
                         help="one of inductor's options, as train.compile_options takes it (e.g. combo_kernels=true): "
                              "what a GPU row could A/B without a change of code; repeatable")
     parser.add_argument("--top", type=bounded(int, min=1), default=15, help="fused kernels listed")
+    parser.add_argument("--instructions", action="store_true",
+                        help="also count the instructions each fused kernel issues, compiled for an H200 "
+                             "(benchmarks/kernel_issue.py; minutes more)")
     args = parser.parse_args(argv)
     if len(set(args.batches)) != len(args.batches) or len(args.batches) > 2:
         parser.error(f"--batches takes one or two different sizes, got {args.batches}")
+    if args.instructions and os.environ.get("TRITON_INTERPRET"):
+        raise UserError("--instructions compiles the kernels for a GPU, which Triton cannot do with "
+                        "TRITON_INTERPRET set: run without it (env -u TRITON_INTERPRET python "
+                        "benchmarks/kernel_plan.py --instructions)")
     # Read as a run's overrides are, and the options checked as the trainer checks train.compile_options; a
     # model field that does not exist is a ConfigError when the model is built (config.preset).
     cfg = load_config(None, ["train.compile_mode=step", *(f"model.overrides.{text}" for text in args.override),
                              *(f"train.compile_options.{text}" for text in args.option)])
     overrides, options = dict(cfg.model.overrides), inductor_options(cfg)
-    plans = {batch: plan_step(args.preset, batch, args.seq, overrides, options) for batch in args.batches}
+    plans = {batch: plan_step(args.preset, batch, args.seq, overrides, options, args.instructions)
+             for batch in args.batches}
     print(f"planned on CPU for a GPU (inductor's Triton kernels, not run): preset={args.preset} seq={args.seq} "
           f"batches={','.join(map(str, args.batches))} bf16 autocast, packed documents"
           f"{''.join(f', {k}={v}' for k, v in overrides.items())}"
           f"{''.join(f', inductor {option_text(k, v)}' for k, v in options.items())} | torch {torch.__version__}")
     for batch, kernels in plans.items():
-        fused = [mb for kind, _, mb in kernels if kind != "extern"]
+        fused = [mb for kind, _, mb, _ in kernels if kind != "extern"]
         print(f"batch {batch}: {len(fused):,} fused kernels ({sum(fused):,.1f} MB), "
               f"{len(kernels) - len(fused):,} other ops, forward and backward")
     print_plan(split_per_sample(plans), args.at, args.bandwidth, args.top)

@@ -88,6 +88,9 @@ def test_the_register_table_lists_every_configuration_the_tuner_may_pick():
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("forward", "backward"))]
     assert len(rows) == 24, result.stdout  # 6 block shapes, taps unrolled and looped, forward and backward
-    for _, block_t, warps, taps, registers, local, programs, warps_per_sm in rows:
+    for _, block_t, warps, taps, registers, local, programs, warps_per_sm, per_thread, issue_us in rows:
         assert taps in ("unrolled", "loop") and 0 < int(registers) <= 255 and int(programs) >= 1, result.stdout
         assert int(warps_per_sm) == int(programs) * int(warps) <= 64, result.stdout
+        # Every thread issues its taps' loads and sums: hundreds of instructions at least; a call at batch 256
+        # takes tens of microseconds of an H200's issue slots.
+        assert int(per_thread.replace(",", "")) > 300 and 5 < float(issue_us) < 500, result.stdout

@@ -5,7 +5,7 @@ takes longer. ``kernel_plan`` counts the bytes; this counts the instructions. Ea
 function launches (recorded where inductor launches it, ``launches_recorded``) is compiled for ``sm_90``
 by Triton's own compiler, with each configuration inductor's heuristics give it, and its SASS (from the
 ``cuobjdump`` Triton ships) counted: per thread, the instructions from the first to the kernel's last
-``EXIT``, a loop's body once per trip (a reduction's loop runs ``ceil(r0_numel / R0_BLOCK)`` times), times
+``EXIT``, an innermost loop's body once per trip (a reduction's runs ``ceil(r0_numel / R0_BLOCK)`` times), times
 the threads its grid launches. The configuration that issues the fewest is taken, as inductor's tuner
 would time them; a kernel's configurations and grid are inductor's (``GridExpr``). Run it without
 ``TRITON_INTERPRET``: Triton's interpreter, set before Triton is imported, leaves its library of
@@ -17,10 +17,10 @@ byte count cannot see it: the discriminator's GELU moves 403 MB a layer at batch
 an H200 (2.7 TB/s of its 4.8), where its 38 instructions an element (erf in fp32) take about 115 us at the
 full clock, and its bytes 84 us at the full bandwidth.
 
-What this leaves out, so that the figure is a floor: a branch is counted as taken; every instruction issues
-in one clock, where the special-function unit (``MUFU``: exp2, rcp, rsqrt) takes eight a warp; a grid too
-small to fill the SMs issues from fewer of them (its latency bounds it); and a kernel's bytes and
-instructions overlap perfectly.
+What this leaves out, each making the time a floor: every instruction is taken to issue in one clock,
+where the special-function unit (``MUFU``: exp2, rcp, rsqrt) takes eight a warp; a grid too small to fill
+the SMs issues from fewer of them (its latency bounds it); a kernel's bytes and instructions are taken to
+overlap perfectly. Code that a branch skips is counted as run: the one way the count can exceed a GPU's.
 """
 
 from __future__ import annotations

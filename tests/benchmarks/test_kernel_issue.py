@@ -28,6 +28,8 @@ gelu, = counted(torch.nn.functional.gelu, x)
 scaled, = counted(lambda t: t * 2, x)
 figures = {"gelu": warp_instructions(gelu) * 32 / x.numel(), "scaled": warp_instructions(scaled) * 32 / x.numel()}
 figures["names"] = [gelu.name, scaled.name]
+from benchmarks.kernel_plan import fused_name_of  # how the plan joins a launch to the scheduler's kernel
+figures["fused names"] = [fused_name_of(gelu.name), fused_name_of(scaled.name)]
 for rows in (8192, 16384):
     figures[f"column sums {rows}"] = sum(map(warp_instructions, counted(lambda t: t.sum(0), torch.zeros(rows, 64))))
 looped, = counted(lambda t: t.sum(-1), torch.zeros(64, 65536))  # 32 trips of 2,048: too many to unroll
@@ -49,6 +51,7 @@ def test_instructions_counted_from_the_machine_code():
 
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert "gelu" in figures["names"][0] and figures["names"][0].startswith("triton_poi_"), figures
+    assert figures["fused names"] == ["fused_gelu", "fused_mul"], figures
     # erf in fp32 is a few dozen instructions an element; a scaling, loads, a multiply and stores.
     assert figures["gelu"] > 3 * figures["scaled"] > 0, figures
     assert 20 < figures["gelu"] < 80, figures

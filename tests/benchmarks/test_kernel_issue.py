@@ -5,6 +5,7 @@ for this process by conftest, makes Triton's own library uncompilable for a GPU.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,11 +13,12 @@ import sys
 from launch import REPO
 
 SCRIPT = r"""
-import json, sys
+import json
 import torch
 from benchmarks.inductor_count import gpu_kernels_on_cpu
 from benchmarks.kernel_issue import (instructions_per_thread, issue_ms, kernel_sass, launches_recorded,
                                      warp_instructions)
+from benchmarks.kernel_plan import fused_name_of  # how the plan joins a launch to the scheduler's kernel
 
 def counted(fn, *inputs):
     with gpu_kernels_on_cpu(), launches_recorded() as launches:
@@ -28,7 +30,6 @@ gelu, = counted(torch.nn.functional.gelu, x)
 scaled, = counted(lambda t: t * 2, x)
 figures = {"gelu": warp_instructions(gelu) * 32 / x.numel(), "scaled": warp_instructions(scaled) * 32 / x.numel()}
 figures["names"] = [gelu.name, scaled.name]
-from benchmarks.kernel_plan import fused_name_of  # how the plan joins a launch to the scheduler's kernel
 figures["fused names"] = [fused_name_of(gelu.name), fused_name_of(scaled.name)]
 for rows in (8192, 16384):
     figures[f"column sums {rows}"] = sum(map(warp_instructions, counted(lambda t: t.sum(0), torch.zeros(rows, 64))))
@@ -47,8 +48,6 @@ def test_instructions_counted_from_the_machine_code():
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    import json
-
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert "gelu" in figures["names"][0] and figures["names"][0].startswith("triton_poi_"), figures
     assert figures["fused names"] == ["fused_gelu", "fused_mul"], figures

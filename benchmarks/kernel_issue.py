@@ -50,6 +50,12 @@ class Launch:
     def name(self) -> str:
         return self.kernel.fn.__name__
 
+    @property
+    def fused_name(self) -> str:
+        """The name inductor's scheduler gives the kernel (``get_fused_kernel_name``), which its Triton name
+        wraps: ``triton_poi_fused_gelu_view_53`` -> ``fused_gelu_view``."""
+        return re.sub(r"_\d+$", "", re.sub(r"^triton_[a-z]+_", "", self.name))
+
 
 @contextlib.contextmanager
 def launches_recorded():

@@ -18,7 +18,7 @@ and backward) under bf16 autocast, the residual stream in bf16 and each sample p
 documents, as the paper configs run it on a GPU. What runs as on a GPU, outside inductor's kernels:
 - the SDConv as its Triton custom ops (``sdconv_impl: auto`` on CUDA), here returning zeros;
 - attention as one opaque op forward and one backward (cuDNN's on a GPU, opaque to inductor too);
-- dropout as aten's kernel (``train.compile_random: eager``).
+- dropout as aten's kernel (``train.compile_random: eager``; ``--random inductor``: inside inductor's).
 
 With ``--instructions``, each fused kernel is also compiled for an H200 (``sm_90``) and the instructions its
 warps issue counted from its machine code (``kernel_issue``): a kernel whose instructions take longer than
@@ -37,9 +37,8 @@ apart: their time is not a matter of bytes.
 from __future__ import annotations
 
 import os
-import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -181,13 +180,14 @@ def _count_reached_bytes(count_bytes):
     return counted
 
 
-def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict, instructions: bool = False
-              ) -> list[tuple[str, str, float, float]]:
+def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict, instructions: bool = False,
+              eager_random: bool = True) -> list[tuple[str, str, float, float]]:
     """``(kind, name, MB, warp instructions)`` of every kernel and extern op of one compiled step's forward
     and backward at ``batch`` x ``seq`` (``overrides``: of the model's config; ``options``: inductor's,
     checked): kind is inductor's part of the layer (``profiling.fused_part``) for its fused kernels,
     ``extern`` for the rest (name: the op). Warp instructions (``kernel_issue``): with ``instructions``, for
-    inductor's kernels, those of a name shared evenly among them; 0 otherwise."""
+    inductor's kernels, those of a name shared evenly among them; 0 otherwise. ``eager_random``: as
+    ``train.compile_random: eager`` (False: ``inductor``, the draws inside inductor's kernels)."""
     from torch._inductor.graph import GraphLowering
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.utils import get_fused_kernel_name
@@ -205,13 +205,13 @@ def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict,
     patches = (*_as_on_a_gpu(), (GraphLowering, "count_bytes", _count_reached_bytes(GraphLowering.count_bytes)))
     with attributes_set(patches), gpu_kernels_on_cpu(), inductor_metrics_counted() as metrics, \
             launches_recorded() as launches:
-        compile_step(model, cuda_graphs=False, options=options)
+        compile_step(model, cuda_graphs=False, eager_random=eager_random, options=options)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(**inputs, check=False).loss
         loss.backward()
     issued: dict[str, float] = defaultdict(float)
     for launch in launches if instructions else ():
-        issued[fused_name_of(launch.name)] += warp_instructions(launch)
+        issued[launch.fused_name] += warp_instructions(launch)
     kernels = []
     for node, quarter_bytes in metrics.nodes_num_elem:  # inductor keeps each kernel's bytes // 4
         if isinstance(node, NopKernelSchedulerNode):
@@ -223,23 +223,12 @@ def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict,
         else:
             name = get_fused_kernel_name(node.get_nodes(), "original_aten")
             kind = fused_part(name)
-        kernels.append([kind, name, 4 * quarter_bytes / 1e6, 0.0])
-    launched = defaultdict(list)
-    for kernel in kernels:
-        launched[kernel[1]].append(kernel)
-    unmatched = sorted(set(issued) - set(launched))
+        kernels.append((kind, name, 4 * quarter_bytes / 1e6))
+    per_name = Counter(name for _, name, _ in kernels)
+    unmatched = sorted(set(issued) - set(per_name))
     if unmatched:  # the kernels' names and the scheduler's would then no longer agree: a count would be lost
         raise RuntimeError(f"launched kernels that no fused node of the plan names: {unmatched[:5]}")
-    for name, total in issued.items():
-        for kernel in launched[name]:
-            kernel[3] = total / len(launched[name])
-    return [tuple(kernel) for kernel in kernels]
-
-
-def fused_name_of(kernel_name: str) -> str:
-    """The fused name (``get_fused_kernel_name``'s) in a Triton kernel's name: ``triton_poi_fused_gelu_view_53``
-    -> ``fused_gelu_view``."""
-    return re.sub(r"_\d+$", "", re.sub(r"^triton_[a-z]+_", "", kernel_name))
+    return [(kind, name, mb, issued.get(name, 0.0) / per_name[name]) for kind, name, mb in kernels]
 
 
 def split_per_sample(plans: dict[int, list]) -> dict[tuple[str, str], tuple[int, float, float, float, float]]:
@@ -324,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="one of inductor's options, as train.compile_options takes it (e.g. combo_kernels=true): "
                              "what a GPU row could A/B without a change of code; repeatable")
     parser.add_argument("--top", type=bounded(int, min=1), default=15, help="fused kernels listed")
+    parser.add_argument("--random", choices=("eager", "inductor"), default="eager",
+                        help="who draws dropout and sampling in the compiled step, as train.compile_random")
     parser.add_argument("--instructions", action="store_true",
                         help="also count the instructions each fused kernel issues, compiled for an H200 "
                              "(benchmarks/kernel_issue.py; minutes more)")
@@ -336,13 +327,15 @@ def main(argv: list[str] | None = None) -> None:
                         "benchmarks/kernel_plan.py --instructions)")
     # Read as a run's overrides are, and the options checked as the trainer checks train.compile_options; a
     # model field that does not exist is a ConfigError when the model is built (config.preset).
-    cfg = load_config(None, ["train.compile_mode=step", *(f"model.overrides.{text}" for text in args.override),
+    cfg = load_config(None, ["train.compile_mode=step", f"train.compile_random={args.random}",
+                             *(f"model.overrides.{text}" for text in args.override),
                              *(f"train.compile_options.{text}" for text in args.option)])
     overrides, options = dict(cfg.model.overrides), inductor_options(cfg)
-    plans = {batch: plan_step(args.preset, batch, args.seq, overrides, options, args.instructions)
+    eager_random = cfg.train.compile_random == "eager"
+    plans = {batch: plan_step(args.preset, batch, args.seq, overrides, options, args.instructions, eager_random)
              for batch in args.batches}
     print(f"planned on CPU for a GPU (inductor's Triton kernels, not run): preset={args.preset} seq={args.seq} "
-          f"batches={','.join(map(str, args.batches))} bf16 autocast, packed documents"
+          f"batches={','.join(map(str, args.batches))} bf16 autocast, packed documents, {args.random} random"
           f"{''.join(f', {k}={v}' for k, v in overrides.items())}"
           f"{''.join(f', inductor {option_text(k, v)}' for k, v in options.items())} | torch {torch.__version__}")
     for batch, kernels in plans.items():

@@ -33,6 +33,7 @@ from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa:
 from convbert_ds.errors import UserError  # noqa: E402
 
 REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 64, 32  # sm_90 and sm_100 alike
+BASE_HEADS = 6  # ConvBERT-base's conv heads (head_ratio 2): the launches' shape
 
 
 def compile_for_gpu(kernel, args: tuple, meta: dict, config_index: int = 0, arch: int = 90):
@@ -77,7 +78,7 @@ def programs_per_sm(registers: int, warps: int) -> int:
     return min(REGISTERS_PER_SM // (allocated * 32 * warps), MAX_WARPS_PER_SM // warps, MAX_PROGRAMS_PER_SM)
 
 
-def sdconv_launches(batch: int, seq: int, heads: int = 6, head_dim: int = 64, kernel_size: int = 9,
+def sdconv_launches(batch: int, seq: int, heads: int = BASE_HEADS, head_dim: int = 64, kernel_size: int = 9,
                     dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, object, tuple, dict]]:
     """``(label, kernel, args, meta)`` of SDConv's forward and backward as the model launches them on packed
     documents (a lse stored, both gradients), on empty tensors of those shapes."""
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arch", type=bounded(int, min=70), default=90, help="compute capability x 10 (90: H100)")
     parser.add_argument("--seq", type=bounded(int, min=1), default=128)
     parser.add_argument("--at", type=bounded(int, min=1), default=256,
-                        help="the batch of the issue time (a discriminator layer of ConvBERT-base: 6 heads)")
+                        help=f"the batch of the issue time (ConvBERT-base's discriminator: {BASE_HEADS} heads)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         raise UserError("TRITON_INTERPRET is set: the kernels would be the interpreter's, with its one "
@@ -106,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"SDConv's kernels compiled for sm_{args.arch} (bf16, head size 64, K = 9, packed documents, seq "
           f"{args.seq}) | triton {triton.__version__}")
-    print(f"issue us: the instructions one call issues at batch {args.at} (6 heads), at one a clock per scheduler "
-          f"of an H200 (benchmarks/kernel_issue.py)")
+    print(f"issue us: the instructions one call issues at batch {args.at} ({BASE_HEADS} heads), at one a clock per "
+          f"scheduler of an H200 (benchmarks/kernel_issue.py)")
     print(f"{'kernel':<10}{'BLOCK_T':>8}{'warps':>7}{'taps':>10}{'registers':>11}{'local B':>9}"
           f"{'programs/SM':>13}{'warps/SM':>10}{'instr/thread':>14}{'issue us':>10}")
     for label, kernel, launch_args, meta in sdconv_launches(batch=2, seq=args.seq):
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             unrolled = config.kwargs["UNROLL_TAPS"]
             # Looped, the taps are the innermost loop (K trips); unrolled, the head-size loop is (one trip).
             per_thread = instructions_per_thread(cuobjdump(cubin, "-sass"), 1 if unrolled else meta["KERNEL_SIZE"])
-            threads = args.at * 6 * math.ceil(args.seq / config.kwargs["BLOCK_T"]) * config.num_warps * 32
+            threads = args.at * BASE_HEADS * math.ceil(args.seq / config.kwargs["BLOCK_T"]) * config.num_warps * 32
             taps = "unrolled" if unrolled else "loop"
             print(f"{label:<10}{config.kwargs['BLOCK_T']:>8}{config.num_warps:>7}{taps:>10}"
                   f"{usage['registers']:>11}{usage['local']:>9}{programs:>13}{programs * config.num_warps:>10}"

@@ -77,10 +77,9 @@ def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.Comple
 # with the variables torchrun would set. That is about 4.6 s sooner a run than ``deepspeed``, whose runner
 # and node launcher each import DeepSpeed before a rank starts (13.3 s against 8.6 s for a 1-step tiny run
 # on 2 CPU cores), and 1.8 s sooner than torchrun, which imports torch first (10.3 s against 12.1 s for 12
-# steps). DeepSpeed's shared-memory CPU all-reduce needs the ``deepspeed`` launcher's LOCAL_SIZE: started
-# this way (or by torchrun) the ranks reduce over gloo. A test that compares two runs bit for bit starts both
-# with the same launcher. What users see from ``deepspeed`` itself (start-up, one-line errors and exit codes,
-# kill -9 and crashes mid-save, preemption) is tested under it, the default; torchrun has a test of its own.
+# steps). A test that compares two runs bit for bit starts both with the same launcher. What users see from
+# ``deepspeed`` itself (start-up, one-line errors and exit codes, kill -9 and crashes mid-save, preemption)
+# is tested under it, the default; torchrun has a test of its own.
 NOT_THE_SUBJECT = "ranks"
 
 

@@ -129,22 +129,23 @@ def rank() -> int:
 
 
 def init_process_group(backend: str | None = None) -> str:
-    """``deepspeed.init_distributed`` (default: NCCL on GPUs, gloo on CPU) that leaves nothing behind in /dev/shm.
+    """``deepspeed.init_distributed`` (default: NCCL on GPUs, gloo on CPU), without DeepSpeed's CPU
+    shared-memory all-reduce.
 
-    On CPU ranks of one host, DeepSpeed's shared-memory all-reduce creates a 67 MB /dev/shm file per
-    rank (named after MASTER_ADDR/PORT and the rank) and never unlinks it: each run leaked them, in RAM,
-    until /dev/shm filled memory and the OOM killer stopped later runs. Once every rank has mapped every
-    buffer (init_distributed returns only then) the names are not needed: each rank unlinks its own.
+    DeepSpeed's CPU accelerator JIT-builds that extension in every process that starts a process group, yet
+    only its inference all-reduce uses it: training reduces over gloo. Each process takes the build's file
+    lock in the user's torch extensions directory, even when nothing is rebuilt, and a process killed while
+    holding it (kill -9, a time limit, preemption) leaves a lock that every later run on the machine waits
+    on forever, silently, before its first step. Each rank also mapped a 67 MB /dev/shm buffer that was never
+    unlinked. Marked incompatible, the extension is neither built nor loaded; on GPUs it never was.
     """
     import deepspeed  # here: rank discovery stays light, and DeepSpeed logs to stdout when imported
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
+    # The probe's result is cached in the module, and DeepSpeed reads this dict before building an op.
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    dist.barrier()
-    name = "_".join(["deepspeed_allreduce_buffer", str(os.getuid()), os.environ.get("MASTER_ADDR", ""),
-                     os.environ.get("MASTER_PORT", ""), str(dist.get_rank())])
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join("/dev/shm", name))
     return backend
 
 

@@ -195,6 +195,7 @@ GUARD_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
     import torch, deepspeed
+    from convbert_ds.engine.distributed import init_process_group
     from convbert_ds.formats.safe_pickle import UnsafeCheckpointError, deepspeed_loads_weights_only
 
     class Payload:
@@ -204,6 +205,7 @@ GUARD_SCRIPT = textwrap.dedent("""
     root = Path(sys.argv[1])
     config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    init_process_group("gloo")  # as the trainer starts it
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
     engine.save_checkpoint(str(root), tag="t")
     with deepspeed_loads_weights_only(engine):

@@ -6,7 +6,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -32,7 +31,6 @@ def _falls(rows, key="loss", window=3, margin=1.0) -> bool:
     ("zero0_autocast_bf16", "bf16"), ("zero0_bf16", "bf16"), ("zero1_bf16", "bf16"), ("zero2_bf16", "fp32"),
     ("zero3_bf16", "bf16"), ("zero3_offload_bf16", "bf16")])
 def test_zero_stages_train_with_falling_loss(ds_config, precision, tiny_corpus, tmp_path):
-    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     ds_file = REPO / "ds_configs" / f"{ds_config}.json"
     settings = json.loads(ds_file.read_text())
     if settings["zero_optimization"]["stage"] == 3:
@@ -50,8 +48,6 @@ def test_zero_stages_train_with_falling_loss(ds_config, precision, tiny_corpus, 
     assert _falls(rows), [round(r["loss"], 3) for r in rows]
     assert all(r["grad_norm"] > 0 for r in rows)  # clipped by DeepSpeed, or by the trainer at ZeRO-0 in fp32
     assert (tmp_path / "checkpoints" / "step00000016" / "COMPLETE").is_file()
-    # DeepSpeed's CPU all-reduce buffers (67 MB of RAM per rank) are unlinked, not left in /dev/shm.
-    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
 
 
 def test_pipeline_two_stages_zero1_trains(tiny_corpus, tmp_path):

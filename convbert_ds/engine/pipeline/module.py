@@ -88,7 +88,7 @@ def build_pipeline_module(config: ElectraConfig, num_stages: int, partition_meth
     data-parallel replicas differ); None draws them from torch's global RNG, which ``torch.manual_seed``
     governs as it does for the plain model. ``packed``: batches hold several documents each
     (``data.pack_documents``; ``pipeline_batch`` passes their ``document_ids``). Needs
-    ``deepspeed.init_distributed()`` first.
+    a process group first (``engine.distributed.init_process_group``, as the trainer starts it).
     Only encoder layers are activation-checkpointed (recomputing the masking or sampling layers would
     draw new randomness), non-reentrantly: the generator's loss passes through checkpointed layers of
     the discriminator and DeepSpeed's reentrant checkpoint frees its inputs after the first of the

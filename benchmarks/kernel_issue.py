@@ -89,19 +89,25 @@ def kernel_sass(kernel, config, arch: int = 90) -> str:
 
 
 def _compile(kernel, config, arch: int) -> str:
+    meta = kernel.triton_meta
+    compiled = compile_for_arch(kernel.fn, dict(meta["signature"]), {**meta.get("constants", {}), **config.kwargs},
+                                meta["configs"][0] if meta.get("configs") else {}, config, arch,
+                                enable_fp_fusion=meta.get("enable_fp_fusion", True))
+    return cuobjdump(compiled.asm["cubin"], "-sass")
+
+
+def compile_for_arch(fn, signature: dict, constants: dict, attrs: dict, config, arch: int, **options):
+    """Triton's ``CompiledKernel`` of the JIT function ``fn`` for ``sm_<arch>``, specialised as ``signature``,
+    ``constants`` and argument ``attrs`` say, with ``config``'s warps and stages (and ``options``); no GPU
+    needed."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
 
-    meta = kernel.triton_meta
     target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
-    options = backend.parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages,
-                                     "enable_fp_fusion": meta.get("enable_fp_fusion", True)})
-    source = ASTSource(kernel.fn, dict(meta["signature"]), {**meta.get("constants", {}), **config.kwargs},
-                       meta["configs"][0] if meta.get("configs") else {})
-    cubin = triton_compile(source, target=target, options=options.__dict__).asm["cubin"]
-    return cuobjdump(cubin, "-sass")
+    parsed = make_backend(target).parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages,
+                                                 **options})
+    return triton_compile(ASTSource(fn, signature, constants, attrs), target=target, options=parsed.__dict__)
 
 
 def cuobjdump(cubin: bytes, flag: str) -> str:

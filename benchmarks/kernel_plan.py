@@ -255,22 +255,27 @@ def split_per_sample(plans: dict[int, list]) -> dict[tuple[str, str], tuple[int,
 
 
 def print_plan(split: dict, at: int, bandwidth: float, top: int) -> None:
-    """The plan's tables at batch ``at``; with instructions counted, each row's issue time on an H200 too."""
+    """The plan's tables at batch ``at``; with instructions counted, each row's issue time on an H200 too.
+    A row's figures are ``split_per_sample``'s (count, MB per sample, per step, warp instructions per sample,
+    per step), summed, then its floor in ms."""
+    def at_batch(per_sample: float, per_step: float) -> float:
+        return per_sample * at + per_step
+
     parts: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0])
     externs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0, 0.0])
     for (kind, name), figures in split.items():
         group = externs[name] if kind == "extern" else parts[kind]
         # A kernel's floor: the longer of its bytes at the HBM's peak and its instructions at the full clock.
-        floor = max((figures[1] * at + figures[2]) / 1e3 / H200_PEAK_TBPS, issue_ms(figures[3] * at + figures[4]))
+        floor = max(at_batch(*figures[1:3]) / 1e3 / H200_PEAK_TBPS, issue_ms(at_batch(*figures[3:5])))
         for i, value in enumerate((*figures, floor)):
             group[i] += value
     issued = any(figures[3] or figures[4] for figures in split.values())
 
     def row(label: str, count: float, per_sample: float, per_step: float, issue_sample: float = 0.0,
             issue_step: float = 0.0, floor: float = 0.0, timed: bool = True) -> str:
-        gb = (per_sample * at + per_step) / 1e3
+        gb = at_batch(per_sample, per_step) / 1e3
         ms = f"{gb / bandwidth:9.2f}" if timed else f"{'':9}"
-        issue = f"{issue_ms(issue_sample * at + issue_step):9.2f}{floor:9.2f}" if issued and timed else ""
+        issue = f"{issue_ms(at_batch(issue_sample, issue_step)):9.2f}{floor:9.2f}" if issued and timed else ""
         return f"  {label:<44}{count:>7,.0f}{per_sample:>12.2f}{per_step:>10.1f}{gb:>10.2f}{ms}{issue}"
 
     header = (f"  {'':<44}{'kernels':>7}{'MB/sample':>12}{'MB/step':>10}{f'GB@{at}':>10}{'ms':>9}"
@@ -279,17 +284,17 @@ def print_plan(split: dict, at: int, bandwidth: float, top: int) -> None:
           + (f"; issue ms: their instructions at one a clock per scheduler of an H200; floor ms: per kernel, the "
              f"longer of that and its bytes at the HBM's {H200_PEAK_TBPS:g} TB/s" if issued else "") + "):")
     print(header)
-    for part, figures in sorted(parts.items(), key=lambda item: -(item[1][1] * at + item[1][2])):
+    for part, figures in sorted(parts.items(), key=lambda item: -at_batch(*item[1][1:3])):
         print(row(part, *figures))
     print(row("all of inductor's fused kernels", *(sum(f[i] for f in parts.values()) for i in range(6))))
     print("\nops inductor does not fuse (matmuls, attention, SDConv, dropout; their time is not their bytes'):")
     print(header)
-    for name, figures in sorted(externs.items(), key=lambda item: -(item[1][1] * at + item[1][2])):
-        if figures[1] * at + figures[2] >= 1.0:
+    for name, figures in sorted(externs.items(), key=lambda item: -at_batch(*item[1][1:3])):
+        if at_batch(*figures[1:3]) >= 1.0:
             print(row(name[:44], *figures[:3], timed=False))
     print(f"\nthe {top} fused kernels that move the most at batch {at} (kernels of one name summed"
           f"{'; ms at the bandwidth, then issue ms' if issued else ''}):")
-    largest = sorted(((f[1] * at + f[2], f[3] * at + f[4], f[0], name) for (kind, name), f in split.items()
+    largest = sorted(((at_batch(*f[1:3]), at_batch(*f[3:5]), f[0], name) for (kind, name), f in split.items()
                       if kind != "extern"), reverse=True)[:top]
     for mb, instructions, count, name in largest:
         times = f"{mb / 1e3 / bandwidth:6.2f} {issue_ms(instructions):6.2f}  " if issued else ""

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/kernel_registers.py`
 
-from benchmarks.kernel_issue import cuobjdump, instructions_per_thread, issue_ms  # noqa: E402
+from benchmarks.kernel_issue import compile_for_arch, cuobjdump, instructions_per_thread, issue_ms  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.errors import UserError  # noqa: E402
 
@@ -40,13 +40,11 @@ def compile_for_gpu(kernel, args: tuple, meta: dict, config_index: int = 0, arch
     """``kernel`` (a ``triton.autotune``d JIT function) compiled for ``sm_<arch>`` as the JIT would specialise
     it for ``args`` (tensors only their dtypes and alignment matter for) with ``meta`` and its configuration
     ``config_index``; no GPU needed. Returns Triton's ``CompiledKernel`` (``.asm["cubin"]``)."""
-    from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import make_backend
     from triton.runtime.jit import native_specialize_impl
 
-    target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
+    backend = make_backend(GPUTarget("cuda", arch, 32))
     fn = kernel.fn  # the JITFunction under triton.autotune
     config = kernel.configs[config_index]
     constexprs = {**meta, **config.kwargs}
@@ -59,8 +57,7 @@ def compile_for_gpu(kernel, args: tuple, meta: dict, config_index: int = 0, arch
         else:
             attrs[(i,)] = backend.parse_attr(spec)
     signature.update({name: "constexpr" for name in fn.arg_names[len(args):]})
-    options = backend.parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages})
-    return triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return compile_for_arch(fn, signature, constexprs, attrs, config, arch)
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:

@@ -12,15 +12,23 @@ n heads, kernel K, FFN width I, G groups, sequence length T:
     attention scores + context    2 * 2*T*A
     attention output dense        2*(2A)*H          (2*A*H without conv heads)
     feed-forward (grouped)        2 * 2*H*I/G
-plus the embedding projection (2*E*H), the generator's MLM head on the masked
-positions only (mask_prob * T tokens: 2*H*E + 2*E*V) and the discriminator's
-RTD head (2*H*H + 2*H). The generator and the discriminator are both counted.
+plus the embedding projection (2*E*H), the generator's MLM head on the
+positions its loss predicts only (``predictions_per_sequence``: 19 of 128
+tokens, 77 of 512; 2*H*E + 2*E*V each) and the discriminator's RTD head
+(2*H*H + 2*H). The generator and the discriminator are both counted.
 Elementwise work (softmax, LayerNorm, GELU) is not counted, as usual for MFU.
+
+tests/engine/test_flops.py checks this count against torch's FlopCounterMode
+over a real forward and backward. That counter drops a grouped convolution's
+groups in its weight gradient: it counts the depthwise conv's weight gradient
+768 times over in ConvBERT-base, about 18 GFLOP a sample that nobody computes
+(``python benchmarks/flop_count.py``).
 """
 
 from __future__ import annotations
 
 from convbert_ds.config import ElectraConfig, ModelConfig
+from convbert_ds.model.electra import predictions_per_sequence
 
 # Dense bf16 peak per device (tensor cores), TFLOP/s.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "A10G": 125.0, "L4": 121.0, "V100": 125.0}
@@ -41,7 +49,7 @@ def body_forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
 
 def training_flops_per_sample(config: ElectraConfig, seq_len: int) -> float:
     gen = config.generator if config.objective == "electra" else config.discriminator
-    masked_tokens = config.mask_prob * seq_len
+    masked_tokens = predictions_per_sequence(config, seq_len)
     forward = seq_len * body_forward_flops_per_token(gen, seq_len)
     forward += masked_tokens * (2 * gen.hidden_size * gen.embedding_size + 2 * gen.embedding_size * gen.vocab_size)
     if config.objective == "electra":

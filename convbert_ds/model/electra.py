@@ -115,6 +115,16 @@ def prediction_slots(config: ElectraConfig, seq_len: int) -> int:
     return min(config.max_predictions(seq_len), seq_len) if config.masking == "fixed" else seq_len
 
 
+def predictions_per_sequence(config: ElectraConfig, seq_len: int) -> float:
+    """How many positions the MLM loss predicts in a sequence of ``seq_len`` real tokens: "fixed" masking's
+    count (``_fixed_count``'s k), or ``mask_prob`` of the tokens for "bernoulli" (at least its expectation:
+    [CLS] and [SEP] are never drawn). The model FLOPs of the generator's head (``engine.flops``) count these:
+    the head's other slots (``prediction_slots``) are work the loss does not use."""
+    if config.masking == "fixed":
+        return float(min(max(1, round(seq_len * config.mask_prob)), prediction_slots(config, seq_len)))
+    return config.mask_prob * seq_len
+
+
 def gumbel_sample(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """One token per row from softmax(logits / temperature), via the Gumbel-max trick; no gradient."""
     with torch.no_grad():

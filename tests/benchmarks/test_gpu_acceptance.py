@@ -218,4 +218,5 @@ def test_rows_runs_only_the_pretraining_rows_it_matches(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| tiny |")]
     assert len(rows) == 1 and rows[0].split("|")[4:7] == [" fp32 ", " torch ", " off "], text  # not the bf16 row
     assert float(rows[0].split("|")[7].replace(",", "")) > 0
+    assert "vocabulary 2,000 (a BPE tokenizer of the built-in corpus)" in text  # the size asked for, and got
     assert "--parts pretrain --rows 'fp32 \\| torch \\| off$'" in text  # the command as run

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gzip
-import json
 import os
 import re
 import shutil
@@ -59,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.acceptance_shards import built_in_shards, shards_vocab_size
 from benchmarks.limited_run import LimitedRun, next_turn, where_it_stopped
 from benchmarks.pretrain_rows import (AUTOCAST, CPU_SMOKE_RUNS, GPU_RUNS, GRAPHS_CELL, PROFILED_STEPS, PretrainRun,
                                       ReferenceRow, ReferenceRun, StartedRow, partitioning_captured, unfilled)
@@ -239,7 +239,7 @@ class Acceptance:
                     f"first step is logged, a row runs on alone, the others paused, and its medians begin with "
                     f"the second logged row that began after that. " if self.together > 1 else "")
         return "\n".join([f"Global batch {s.batch} x seq {s.seq} unless the row says otherwise (longer sequences: the "
-                          f"same tokens per step), vocabulary {self._vocab_size(shards):,} (a BPE tokenizer of the "
+                          f"same tokens per step), vocabulary {shards_vocab_size(shards):,} (a BPE tokenizer of the "
                           f"built-in corpus), "
                           f"one process, {s.steps} steps, the DeepSpeed file of each row (`ds_configs/NAME.json`, "
                           f"precision overridden); logged every {s.log_interval} steps, medians of the rows after the first "
@@ -269,28 +269,7 @@ class Acceptance:
 
     def _shards(self) -> Path:
         # Here: only the train-step and pretraining parts need preprocessing (built once, for both).
-        if (self.work / "shards" / "manifest.json").is_file():
-            return self.work / "shards"
-        from convbert_ds.data.builtin_corpus import write_corpus
-        from preprocessing.shard import shard_corpus
-        from preprocessing.tokenizer import train_tokenizer
-
-        corpus = write_corpus(self.work / "corpus.txt")
-        # BPE: a unigram model stops at the 9,310 pieces the built-in corpus supports, and ConvBERT-base's
-        # FLOPs and time depend on its vocabulary (the generator's head, the embeddings): the rows run the
-        # paper's 30,522.
-        tokenizer = train_tokenizer([str(corpus)], str(self.work / "tokenizer"), vocab_size=self.scale.vocab_size,
-                                    model_type="bpe")
-        shard_corpus([str(corpus)], str(tokenizer), str(self.work / "shards"), workers=1)
-        got = self._vocab_size(self.work / "shards")
-        if got != self.scale.vocab_size:  # the rows still run (a lease is too scarce to stop); the header says so
-            print(f"warning: the tokenizer of the built-in corpus has {got:,} pieces, not the "
-                  f"{self.scale.vocab_size:,} asked for: the rows' model has {got:,}", file=sys.stderr)
-        return self.work / "shards"
-
-    @staticmethod
-    def _vocab_size(shards: Path) -> int:
-        return json.loads((shards / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+        return built_in_shards(self.work, self.scale.vocab_size)
 
     def _shape(self, spec: PretrainRun) -> tuple[int, int]:
         """(seq, global batch) of one run: the row's batch, or the scale's tokens per step (a longer sequence,

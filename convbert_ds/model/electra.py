@@ -100,13 +100,18 @@ def _fixed_count(can_mask: torch.Tensor, attention_mask: torch.Tensor | None, co
     batch, seq_len = can_mask.shape
     real = attention_mask.sum(-1) if attention_mask is not None else torch.full((batch,), seq_len)
     cap = prediction_slots(config, seq_len)  # "fixed": the cap, at most the sequence
-    count = torch.round(real.to(torch.float64) * config.mask_prob).long().clamp(1, cap)  # round half to even
-    count = torch.minimum(count.to(can_mask.device), can_mask.sum(-1))
+    count = torch.minimum(_fixed_k(real, config, cap).to(can_mask.device), can_mask.sum(-1))
     # Uniform scores, non-candidates last: the ``cap`` lowest are a uniform draw without replacement.
     scores = torch.rand(can_mask.shape, device=can_mask.device, generator=generator).masked_fill(~can_mask, 2.0)
     chosen = scores.topk(cap, dim=-1, largest=False).indices
     keep = torch.arange(cap, device=can_mask.device) < count[:, None]
     return torch.zeros_like(can_mask).scatter_(1, chosen, keep)
+
+
+def _fixed_k(real_tokens: torch.Tensor, config: ElectraConfig, cap: int) -> torch.Tensor:
+    """"fixed" masking's count per sequence, max(1, min(cap, round(mask_prob x real tokens))), rounded half to
+    even, before the maskable tokens bound it; ``cap``: ``prediction_slots``."""
+    return torch.round(real_tokens.to(torch.float64) * config.mask_prob).long().clamp(1, cap)
 
 
 def prediction_slots(config: ElectraConfig, seq_len: int) -> int:
@@ -121,7 +126,7 @@ def predictions_per_sequence(config: ElectraConfig, seq_len: int) -> float:
     [CLS] and [SEP] are never drawn). The model FLOPs of the generator's head (``engine.flops``) count these:
     the head's other slots (``prediction_slots``) are work the loss does not use."""
     if config.masking == "fixed":
-        return float(min(max(1, round(seq_len * config.mask_prob)), prediction_slots(config, seq_len)))
+        return float(_fixed_k(torch.tensor(seq_len), config, prediction_slots(config, seq_len)))
     return config.mask_prob * seq_len
 
 

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
@@ -53,13 +54,13 @@ def write_tokenizer(directory: Path) -> None:
     transformers.ConvBertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(str(directory))
 
 
-def write_checkpoint_rank(checkpoint_dir: Path, tokenizer_dir: Path) -> None:
-    """One rank of the 2-rank save (run under torchrun)."""
+def write_checkpoint_rank(checkpoint_dir: Path, tokenizer_dir: Path) -> NoReturn:
+    """One rank of the 2-rank save (run under torchrun); ends the process."""
     import deepspeed
     import torch
     import torch.distributed as dist
 
-    from convbert_ds.engine.distributed import init_process_group
+    from convbert_ds.engine.distributed import exit_process, init_process_group
     from convbert_ds.engine import checkpoint
     from convbert_ds.config import ElectraConfig
     from convbert_ds.model import ElectraForPretraining
@@ -80,6 +81,7 @@ def write_checkpoint_rank(checkpoint_dir: Path, tokenizer_dir: Path) -> None:
              "tokenizer": {"dir": str(tokenizer_dir), **tok.describe()}, "data_sets": [], "config": {}}
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.save(engine, checkpoint_dir, 0, state, keep_last=1)
+    exit_process(0)  # as the trainer leaves: a finalized gloo group aborts now and then
 
 
 def run_one(mode: str, checkpoint_dir: Path, out: Path) -> dict:

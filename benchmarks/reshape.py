@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,15 +58,15 @@ def _env() -> dict:
 
 
 # 1. The checkpoint ------------------------------------------------------------------------------------
-def write_rank(checkpoint_dir: Path, preset_name: str) -> None:
-    """One rank of the 2-rank ZeRO-2 save, after one optimizer step (run under torchrun)."""
+def write_rank(checkpoint_dir: Path, preset_name: str) -> NoReturn:
+    """One rank of the 2-rank ZeRO-2 save, after one optimizer step (run under torchrun); ends the process."""
     import deepspeed
     import torch
     import torch.distributed as dist
 
     from convbert_ds.config import ElectraConfig
     from convbert_ds.engine import checkpoint
-    from convbert_ds.engine.distributed import init_process_group
+    from convbert_ds.engine.distributed import exit_process, init_process_group
     from convbert_ds.engine.plan import build_ds_config
     from convbert_ds.formats.train_config import TrainConfig
     from convbert_ds.model import ElectraForPretraining
@@ -95,6 +96,7 @@ def write_rank(checkpoint_dir: Path, preset_name: str) -> None:
              "config": {}}
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.save(engine, checkpoint_dir, 1, state, keep_last=1)
+    exit_process(0)  # as the trainer leaves: a finalized gloo group aborts now and then
 
 
 def write_checkpoint(ckpt: Path, preset_name: str) -> float:

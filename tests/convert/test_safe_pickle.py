@@ -195,7 +195,7 @@ GUARD_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
     import torch, deepspeed
-    from convbert_ds.engine.distributed import init_process_group
+    from convbert_ds.engine.distributed import exit_process, init_process_group
     from convbert_ds.formats.safe_pickle import UnsafeCheckpointError, deepspeed_loads_weights_only
 
     class Payload:
@@ -222,6 +222,7 @@ GUARD_SCRIPT = textwrap.dedent("""
     print("MARKER_AFTER_GUARDED", (root / "MARKER").exists())
     engine.load_checkpoint(str(root), tag="t")
     print("MARKER_AFTER_UNGUARDED", (root / "MARKER").exists())
+    exit_process(0)  # as the trainer leaves: a finalized gloo group aborts now and then
 """)
 
 

@@ -21,7 +21,7 @@ from deepspeed import comm as dist
 from convbert_ds.config import ElectraConfig
 from convbert_ds.data.builtin_corpus import iter_documents
 from convbert_ds.model import ElectraForPretraining
-from convbert_ds.engine.distributed import init_process_group
+from convbert_ds.engine.distributed import exit_process, init_process_group
 from convbert_ds.engine.pipeline import (
     build_pipeline_module,
     check_pipeline_ds_config,
@@ -229,3 +229,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # as the trainer leaves: a finalized gloo group aborts now and then

@@ -47,11 +47,15 @@ def body_forward_flops_per_token(c: ModelConfig, seq_len: int) -> float:
     return c.num_hidden_layers * per_layer + projection
 
 
+def mlm_head_forward_flops(c: ModelConfig) -> float:
+    """The MLM head's forward on one position: its dense layer to the embedding width, then the logits."""
+    return 2 * c.hidden_size * c.embedding_size + 2 * c.embedding_size * c.vocab_size
+
+
 def training_flops_per_sample(config: ElectraConfig, seq_len: int) -> float:
     gen = config.generator if config.objective == "electra" else config.discriminator
-    masked_tokens = predictions_per_sequence(config, seq_len)
     forward = seq_len * body_forward_flops_per_token(gen, seq_len)
-    forward += masked_tokens * (2 * gen.hidden_size * gen.embedding_size + 2 * gen.embedding_size * gen.vocab_size)
+    forward += predictions_per_sequence(config, seq_len) * mlm_head_forward_flops(gen)
     if config.objective == "electra":
         disc = config.discriminator
         forward += seq_len * (body_forward_flops_per_token(disc, seq_len)

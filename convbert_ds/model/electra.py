@@ -122,9 +122,9 @@ def prediction_slots(config: ElectraConfig, seq_len: int) -> int:
 
 def predictions_per_sequence(config: ElectraConfig, seq_len: int) -> float:
     """How many positions the MLM loss predicts in a sequence of ``seq_len`` real tokens: "fixed" masking's
-    count (``_fixed_count``'s k), or ``mask_prob`` of the tokens for "bernoulli" (at least its expectation:
-    [CLS] and [SEP] are never drawn). The model FLOPs of the generator's head (``engine.flops``) count these:
-    the head's other slots (``prediction_slots``) are work the loss does not use."""
+    count (``_fixed_count``'s k), or ``mask_prob`` of the tokens for "bernoulli" (a bound on its expectation
+    from above: [CLS] and [SEP] are never drawn). The model FLOPs of the generator's head (``engine.flops``)
+    count these: the head's other slots (``prediction_slots``) are work the loss does not use."""
     if config.masking == "fixed":
         return float(_fixed_k(torch.tensor(seq_len), config, prediction_slots(config, seq_len)))
     return config.mask_prob * seq_len

@@ -14,9 +14,9 @@ import torch
 from benchmarks.flop_count import count_training_flops
 from benchmarks.train_step import electra_config_for
 from convbert_ds.config import ElectraConfig, generator_config, preset
-from convbert_ds.engine.flops import training_flops_per_sample
+from convbert_ds.engine.flops import mlm_head_forward_flops, training_flops_per_sample
 from convbert_ds.model import mask_tokens
-from convbert_ds.model.electra import prediction_slots, predictions_per_sequence
+from convbert_ds.model.electra import IGNORE_INDEX, prediction_slots, predictions_per_sequence
 
 SPECIAL_IDS = {"pad": 0, "cls": 2, "sep": 3, "mask": 4}
 
@@ -30,8 +30,8 @@ def tiny_electra(objective: str = "electra", masking: str = "fixed", **body) -> 
 def unused_head_flops(config: ElectraConfig, seq_len: int) -> float:
     """Forward and backward FLOPs of the generator's head on the slots that carry no prediction."""
     gen = config.generator if config.objective == "electra" else config.discriminator
-    per_slot = 2 * gen.hidden_size * gen.embedding_size + 2 * gen.embedding_size * gen.vocab_size
-    return 3 * per_slot * (prediction_slots(config, seq_len) - predictions_per_sequence(config, seq_len))
+    unused = prediction_slots(config, seq_len) - predictions_per_sequence(config, seq_len)
+    return 3 * mlm_head_forward_flops(gen) * unused
 
 
 @pytest.mark.parametrize("config, seq_len", [
@@ -59,5 +59,5 @@ def test_predictions_per_sequence_is_what_fixed_masking_draws(seq_len):
     input_ids = torch.randint(5, 500, (4, seq_len))
     input_ids[:, 0], input_ids[:, -1] = SPECIAL_IDS["cls"], SPECIAL_IDS["sep"]
     masking = mask_tokens(input_ids, torch.ones_like(input_ids), config, torch.Generator().manual_seed(0))
-    drawn = (masking.labels != -100).sum(-1)
+    drawn = (masking.labels != IGNORE_INDEX).sum(-1)
     assert drawn.tolist() == [predictions_per_sequence(config, seq_len)] * 4

@@ -54,6 +54,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,15 @@ class Acceptance:
         self.failed: list[str] = []
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "HF_DATASETS_OFFLINE": "1"}
+
+    def part(self, name: str) -> str:
+        """One part's section. A part that raises fails with its traceback in its place: the parts after it still
+        run, and the logs and RESULTS.md still get what the others measured (a lease is not run twice)."""
+        try:
+            return getattr(self, name)()
+        except Exception:
+            self.failed.append(name)
+            return _fenced(traceback.format_exc().strip().splitlines())
 
     def run(self, name: str, command: list[str], limit_s: float, env: dict | None = None) -> tuple[int, str, str]:
         """Run one command under min(limit, what is left of the budget), with ``env`` added to the
@@ -457,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu_acceptance_") as tmp:
         acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget, args.rows, args.together)
-        body = [(PARTS[name], getattr(acceptance, name)()) for name in args.parts]
+        body = [(PARTS[name], acceptance.part(name)) for name in args.parts]
         if args.logs is not None:
             args.logs.mkdir(parents=True, exist_ok=True)
             for log in Path(tmp).glob("*.log"):

@@ -272,7 +272,8 @@ def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) 
     if spec.graph_partition:
         return ""
     twin = dataclasses.replace(spec, graph_partition=True, profile=False)
-    cell = next((cell for run, cell in graphs_of.items() if dataclasses.replace(run, profile=False) == twin), "")
+    cell = next((cell for run, cell in graphs_of.items()  # the reference rows (ReferenceRun) have no twin
+                 if isinstance(run, PretrainRun) and dataclasses.replace(run, profile=False) == twin), "")
     captured = cell.split(" -> ")[-1].isdigit() and int(cell.split(" -> ")[-1]) > 0
     return f"the partitioned step recorded {cell} CUDA graphs" if captured else ""
 

@@ -46,8 +46,6 @@ Exit code: 0 when every part that ran passed, 1 otherwise (the figures are writt
 from __future__ import annotations
 
 import argparse
-import datetime
-import gzip
 import os
 import re
 import shutil
@@ -59,11 +57,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.acceptance_logs import KeptLogs
 from benchmarks.acceptance_shards import built_in_shards, shards_vocab_size
 from benchmarks.limited_run import LimitedRun, next_turn, where_it_stopped
 from benchmarks.pretrain_rows import (AUTOCAST, CPU_SMOKE_RUNS, GPU_RUNS, GRAPHS_CELL, PROFILED_STEPS, PretrainRun,
                                       ReferenceRow, ReferenceRun, StartedRow, partitioning_captured, unfilled)
-from benchmarks.results_section import device_name, environment, write_results
+from benchmarks.results_section import acceptance_section, write_results
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,8 +124,9 @@ CPU_SMOKE = Scale(tests=("tests/model/test_sdconv_reference.py",),
 
 class Acceptance:
     def __init__(self, scale: Scale, work: Path, budget_s: float, rows: re.Pattern | None = None,
-                 together: int | None = None):
+                 together: int | None = None, keep: KeptLogs | None = None):
         self.scale, self.work, self.rows = scale, work, rows  # rows: which pretraining rows run (None: all)
+        self.keep = keep or KeptLogs(None)  # --logs: each command's log and trace, kept as soon as it ends
         self.together = together or scale.together
         self.deadline = time.monotonic() + budget_s
         self.failed: list[str] = []
@@ -164,6 +164,7 @@ class Acceptance:
         code, stdout, stderr = run.finish()
         output = stdout + stderr + (f"\n(stopped at {run.stopped_by})" if code == 124 else "")
         (self.work / f"{name}.log").write_text(output)
+        self.keep.log(name, output)
         print(output[-3000:], f"=== {name}: exit code {code}", sep="\n", flush=True)
         if code != 0:
             self.failed.append(name)
@@ -376,6 +377,7 @@ class Acceptance:
         try:
             return started.figures(code, output, self.scale.steps, self.scale.warmup_rows)
         finally:  # gigabytes for base; only figures matter
+            self.keep.traces(started.run_dir)
             shutil.rmtree(started.run_dir / "checkpoints", ignore_errors=True)
 
     def nccl(self) -> str:
@@ -455,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                              "compiles overlap, and each runs its timed steps alone, the others paused; 1 runs "
                              "them one after another")
     parser.add_argument("--logs", metavar="DIR", type=Path,
-                        help="also keep each part's full log (PART.log) and the profiled runs' traces "
-                             "(RUN.pt.trace.json.gz) in DIR (default: only the summary is kept)")
+                        help="also keep each command's full log (NAME.log), the profiled runs' traces "
+                             "(RUN.pt.trace.json.gz) and the section so far (SECTION.md) in DIR, each as soon as it "
+                             "is done (default: only the summary is kept)")
     args = parser.parse_args(argv)
     import torch
     on_gpu = torch.cuda.is_available()
@@ -464,33 +467,16 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_acceptance: no CUDA GPU on this machine; nothing measured, benchmarks/RESULTS.md untouched "
               "(run it on a machine with one GPU, or pass --cpu-smoke OUT.md to try every part on CPU)")
         return 0
-    started = time.monotonic()
+    started, keep = time.monotonic(), KeptLogs(args.logs)
     with tempfile.TemporaryDirectory(prefix="gpu_acceptance_") as tmp:
-        acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget, args.rows, args.together)
-        body = [(PARTS[name], acceptance.part(name)) for name in args.parts]
-        if args.logs is not None:
-            args.logs.mkdir(parents=True, exist_ok=True)
-            for log in Path(tmp).glob("*.log"):
-                shutil.copy(log, args.logs / log.name)
-            # The profiled rows' traces, compressed (tens of MB each as JSON): the summary in RESULTS.md lists
-            # the top kernels; benchmarks/trace_summary.py reads any number of them back from these.
-            for trace in Path(tmp).glob("*/logs/profile/*.pt.trace.json"):
-                with trace.open("rb") as source, gzip.open(args.logs / f"{trace.parents[2].name}.pt.trace.json.gz",
-                                                           "wb") as target:
-                    shutil.copyfileobj(source, target)
-    command = " ".join(["python -m benchmarks.gpu_acceptance",
-                        *([] if on_gpu else ["--cpu-smoke", args.cpu_smoke.name]),
-                        *([] if args.parts == list(PARTS) else ["--parts", ",".join(args.parts)]),
-                        *([] if args.budget == 540 else ["--budget", f"{args.budget:g}"]),
-                        *([] if args.rows is None else ["--rows", f"'{args.rows.pattern}'"]),
-                        *([] if args.together is None else ["--together", str(args.together)])])
-    date = datetime.date.today().isoformat()
-    section = [f"### {date}: {device_name(on_gpu)}", "",
-               environment(on_gpu), f"Command: `{command}` ({time.monotonic() - started:.0f} s in all).",
-               f"Parts that failed: {', '.join(acceptance.failed) or 'none'}."]
-    for title, text in body:
-        section += ["", f"#### {title}", "", text]
-    write_results(RESULTS if on_gpu else args.cpu_smoke, "\n".join(section))
+        acceptance = Acceptance(GPU if on_gpu else CPU_SMOKE, Path(tmp), args.budget, args.rows, args.together, keep)
+        body = []
+        for name in args.parts:
+            body.append((PARTS[name], acceptance.part(name)))
+            section = acceptance_section(args, list(PARTS), on_gpu, time.monotonic() - started,
+                                         acceptance.failed, body)
+            keep.section(section)
+    write_results(RESULTS if on_gpu else args.cpu_smoke, section)
     print(f"gpu_acceptance: written to {RESULTS if on_gpu else args.cpu_smoke}; "
           f"failed parts: {', '.join(acceptance.failed) or 'none'}")
     return 1 if acceptance.failed else 0

@@ -78,7 +78,9 @@ def test_every_part_runs_on_cpu(tmp_path):
     assert "`tiny | 64 x 4 | zero1_bf16 | fp32 | torch | off`:" in profiles
     assert "profile summary (rank 0, 3 steps):" in profiles and "no CUDA kernels recorded" in profiles
     assert "host: the ops with the most CPU time of their own" in profiles
-    # --logs keeps each part's log and the profiled row's trace, which trace_summary.py reads back.
+    # --logs keeps each part's log and the profiled row's trace, which trace_summary.py reads back, and the
+    # section as RESULTS.md gets it.
+    assert (tmp_path / "logs" / "SECTION.md").read_text() == "### " + text.split("\n### ")[-1]
     traces = sorted((tmp_path / "logs").glob("*.pt.trace.json.gz"))
     assert [path.name.split("_")[1] for path in traces] == ["tiny"] and (tmp_path / "logs" / "nccl.log").exists()
     summary = subprocess.run([sys.executable, "benchmarks/trace_summary.py", str(traces[0]), "--top", "20"],
@@ -95,6 +97,35 @@ def test_every_part_runs_on_cpu(tmp_path):
     assert "--parts nccl,tests --budget 1" in second and "no time left" in second
     assert [line for line in second.splitlines() if line.startswith("#### ")] == [
         "#### Two processes on one GPU", "#### Kernel, fallback and parity tests"]
+
+
+@pytest.mark.slow
+def test_a_call_killed_from_outside_leaves_what_finished_in_its_logs(tmp_path):
+    """A lease ends a call that outruns it with a kill: then what ``--logs`` kept as the call went is all that
+    comes back. Killed once a pretraining row has ended, the first part's section, that row's log and its
+    trace are there, and no run of the call is left running."""
+    from benchmarks.limited_run import _descendants
+
+    logs, out = tmp_path / "logs", tmp_path / "acceptance.md"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    call = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_acceptance", "--cpu-smoke", str(out), "--parts",
+                             "tests,pretrain,nccl", "--logs", str(logs)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not list(logs.glob("*.pt.trace.json.gz")):  # the profiled row has ended
+        assert call.poll() is None and time.monotonic() < deadline, "the call ended before the profiled row did"
+        time.sleep(0.2)
+    runs = _descendants(call.pid)
+    call.kill()
+    call.wait()
+    section = (logs / "SECTION.md").read_text()
+    assert "As of part 1 of 3: the parts after it had not run yet." in section, section
+    assert "passed" in section.split("#### Kernel, fallback and parity tests")[1] and "#### One-GPU" not in section
+    assert (logs / "tests.log").exists() and not out.exists()
+    trace, = logs.glob("*.pt.trace.json.gz")
+    row_log = (logs / trace.name.replace(".pt.trace.json.gz", ".log")).read_text()
+    assert "profile summary (rank 0, 3 steps)" in row_log, row_log[-2000:]
+    assert runs and not [pid for pid in runs if _alive(pid)], "a run of the killed call is still running"
 
 
 def test_the_run_without_graph_partitioning_is_skipped_once_the_partitioned_step_captured():

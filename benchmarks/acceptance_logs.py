@@ -4,6 +4,8 @@ lease, the machine's memory) still leaves behind everything that finished before
 - ``NAME.log``: one command's stdout and stderr (a part's, or one pretraining row's), written when it ends;
 - ``RUN.pt.trace.json.gz``: a profiled row's torch.profiler trace, gzipped (tens of MB as JSON), written
   when its row ends. ``benchmarks/trace_summary.py`` reads any number of them back;
+- ``pretrain.md``: the pretraining part's table so far, rewritten after each of its rows (the rows to come
+  say "not yet");
 - ``SECTION.md``: the RESULTS.md section of the parts done so far, rewritten after each part. After the
   last part it is the section appended to RESULTS.md."""
 
@@ -40,10 +42,13 @@ class KeptLogs:
                 shutil.copyfileobj(source, target)
 
     def section(self, text: str) -> None:
-        """Replace SECTION.md whole (written beside it first): a call stopped while it is written leaves the
-        previous part's section, never half of one."""
+        self.file(SECTION_FILE, text)
+
+    def file(self, name: str, text: str) -> None:
+        """Replace the file ``name`` whole (written beside it first): a call stopped while it is written leaves
+        the file as it was, never half of it."""
         if self.directory is None:
             return
-        partial = self.directory / f".{SECTION_FILE}.partial"
+        partial = self.directory / f".{name}.partial"
         partial.write_text(text.rstrip("\n") + "\n")
-        os.replace(partial, self.directory / SECTION_FILE)
+        os.replace(partial, self.directory / name)

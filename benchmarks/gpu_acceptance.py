@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,12 +220,21 @@ class Acceptance:
 
     def pretrain(self) -> str:
         shards = self._shards()
+        chosen = [spec for spec in self.scale.runs if self.rows is None or self.rows.search(self._label(spec))]
+
+        def row_done(done: dict) -> None:  # --logs: the table so far (pretrain.md), the rows to come marked so
+            so_far = {spec: done.get(spec, (unfilled("not yet"), [])) for spec in chosen}
+            self.keep.file("pretrain.md", self._pretrain_table(chosen, so_far, shards))
+
+        return self._pretrain_table(chosen, self._run_rows(chosen, shards, row_done), shards)
+
+    def _pretrain_table(self, chosen: list[PretrainRun | ReferenceRun],
+                        results: dict[PretrainRun | ReferenceRun, tuple[list[str], list[str]]], shards: Path) -> str:
+        """The pretraining part's text: what the columns mean, one row of figures a run, the profiles."""
         rows = ["| preset | seq x batch | DeepSpeed file | precision | SDConv | compile | samples/s | tokens/s | "
                 "TFLOP/s | MFU | to first step (s) | CUDA graphs | peak GiB | vs transformers |",
                 "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         profiles = []
-        chosen = [spec for spec in self.scale.runs if self.rows is None or self.rows.search(self._label(spec))]
-        results = self._run_rows(chosen, shards)
         reference = {}  # (preset, shape): the fastest transformers row's samples/s (compiled or eager)
         for spec in chosen:
             if isinstance(spec, ReferenceRun) and _number(results[spec][0][0]):
@@ -314,14 +323,15 @@ class Acceptance:
         return " | ".join([spec.preset, "{} x {}".format(*self._shape(spec)), spec.ds_config, spec.precision_label,
                            spec.sdconv, spec.compile_label])
 
-    def _run_rows(self, specs: list[PretrainRun | ReferenceRun],
-                  shards: Path) -> dict[PretrainRun | ReferenceRun, tuple[list[str], list[str]]]:
+    def _run_rows(self, specs: list[PretrainRun | ReferenceRun], shards: Path,
+                  row_done: Callable[[dict], None]) -> dict[PretrainRun | ReferenceRun, tuple[list[str], list[str]]]:
         """Each row's figures and profile (``_finish_row``). Up to ``together`` rows run at once, started in
         the table's order; the first ready to time (its first step logged, its compile done; a reference row:
         its warm-up steps done) runs on alone while the others wait, paused (``next_turn``), and once it has
         finished they go on and the next row starts. A row
         without graph partitioning starts once every row before it has finished: whether it runs at all
-        depends on how its twin did (``partitioning_captured``)."""
+        depends on how its twin did (``partitioning_captured``). ``row_done`` gets the results so far after each
+        row."""
         queue, running, results = list(specs), [], {}
         try:
             while queue or running:
@@ -334,6 +344,7 @@ class Acceptance:
                         running.append(row)
                     else:
                         results[spec] = (unfilled(f"not run: {why}"), []) if why else self._finish_row(row)
+                        row_done(results)
                 if running:
                     row = next_turn(running)
                     running.remove(row)
@@ -342,6 +353,7 @@ class Acceptance:
                         print(f"=== {row.name}: ready to time after {row.first_step_s:.0f} s (its first step "
                               f"logged, or its warm-up done); runs alone, {len(running)} other(s) paused", flush=True)
                     results[row.spec] = self._finish_row(row)
+                    row_done(results)
                     for other in running:
                         other.run.resume()
         finally:  # an error here: no run is left behind, paused, holding the GPU

@@ -16,9 +16,6 @@ import os
 import shutil
 from pathlib import Path
 
-SECTION_FILE = "SECTION.md"
-
-
 class KeptLogs:
     """Where ``--logs`` keeps things (``directory``); without it (None), nothing is kept."""
 
@@ -40,9 +37,6 @@ class KeptLogs:
             with trace.open("rb") as source, gzip.open(self.directory / f"{run_dir.name}.pt.trace.json.gz",
                                                        "wb") as target:
                 shutil.copyfileobj(source, target)
-
-    def section(self, text: str) -> None:
-        self.file(SECTION_FILE, text)
 
     def file(self, name: str, text: str) -> None:
         """Replace the file ``name`` whole (written beside it first): a call stopped while it is written leaves

@@ -163,8 +163,7 @@ class Acceptance:
             return -1, "", f"skipped: the overall budget was spent before {name}"
         code, stdout, stderr = run.finish()
         output = stdout + stderr + (f"\n(stopped at {run.stopped_by})" if code == 124 else "")
-        (self.work / f"{name}.log").write_text(output)
-        self.keep.log(name, output)
+        self.keep.log(name, output)  # with --logs only: the parts read their figures from what this returns
         print(output[-3000:], f"=== {name}: exit code {code}", sep="\n", flush=True)
         if code != 0:
             self.failed.append(name)
@@ -470,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                              "them one after another")
     parser.add_argument("--logs", metavar="DIR", type=Path,
                         help="also keep each command's full log (NAME.log), the profiled runs' traces "
-                             "(RUN.pt.trace.json.gz) and the section so far (SECTION.md) in DIR, each as soon as it "
-                             "is done (default: only the summary is kept)")
+                             "(RUN.pt.trace.json.gz), the pretraining table so far (pretrain.md) and the section so "
+                             "far (SECTION.md) in DIR, each as soon as it is done (default: only the summary is kept)")
     args = parser.parse_args(argv)
     import torch
     on_gpu = torch.cuda.is_available()
@@ -487,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             body.append((PARTS[name], acceptance.part(name)))
             section = acceptance_section(args, list(PARTS), on_gpu, time.monotonic() - started,
                                          acceptance.failed, body)
-            keep.section(section)
+            keep.file("SECTION.md", section)
     write_results(RESULTS if on_gpu else args.cpu_smoke, section)
     print(f"gpu_acceptance: written to {RESULTS if on_gpu else args.cpu_smoke}; "
           f"failed parts: {', '.join(acceptance.failed) or 'none'}")

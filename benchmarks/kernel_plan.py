@@ -104,14 +104,8 @@ def _stand_in_attention(query, key, value, attn_mask=None, dropout_p=0.0, **_):
 
 def _as_on_a_gpu():
     """What the model does on CUDA, on CPU tensors: ``sdconv_impl: auto`` picks the SDConv's Triton custom ops
-    without probing them (their launches return zeros here), and attention is ``_stand_in_attention``."""
+    (``sdconv_as_on_cuda``), whose launches return zeros here, and attention is ``_stand_in_attention``."""
     from convbert_ds.kernels import sdconv_triton
-    from convbert_ds.model import depthwise, sdconv
-
-    resolve = sdconv.resolve_impl
-
-    def resolve_as_on_cuda(impl, device):
-        return resolve(impl, torch.device("cuda"))
 
     def sdconv_zeros(kernel_logits, values, value_mask, segments, store_lse):
         batch, seq_len, heads, _ = kernel_logits.shape
@@ -123,11 +117,25 @@ def _as_on_a_gpu():
         return (torch.zeros_like(kernel_logits) if need_grad_logits else None,
                 torch.zeros_like(values) if need_grad_values else None)
 
-    return ((sdconv, "resolve_impl", resolve_as_on_cuda), (depthwise, "resolve_impl", resolve_as_on_cuda),
-            (sdconv, "cached_reason", lambda key, probe: None), (depthwise, "cached_reason", lambda key, probe: None),
+    return (*sdconv_as_on_cuda(),
             (sdconv_triton, "sdconv_forward", sdconv_zeros), (sdconv_triton, "sdconv_backward", sdconv_grad_zeros),
             (sdconv_triton, "INTERPRET", True),  # their input check's "CPU tensors need the interpreter"
             (F, "scaled_dot_product_attention", _stand_in_attention))
+
+
+def sdconv_as_on_cuda() -> tuple:
+    """Patches (for ``attributes_set``) under which ``sdconv_impl: auto`` on CPU tensors picks what it picks on
+    CUDA (the dynamic conv's Triton custom ops, the packed conv through inductor when compiled), without
+    probing the Triton kernels first."""
+    from convbert_ds.model import depthwise, sdconv
+
+    resolve = sdconv.resolve_impl
+
+    def resolve_as_on_cuda(impl, device):
+        return resolve(impl, torch.device("cuda"))
+
+    return ((sdconv, "resolve_impl", resolve_as_on_cuda), (depthwise, "resolve_impl", resolve_as_on_cuda),
+            (sdconv, "cached_reason", lambda key, probe: None), (depthwise, "cached_reason", lambda key, probe: None))
 
 
 def reached_bytes(node) -> int:

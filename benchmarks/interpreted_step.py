@@ -15,8 +15,9 @@ program by program, in numpy: about a minute for the tiny model's step (one laye
 tokens from three documents; dropout on, the draws eager's).
 
 What it does not check: a GPU's arithmetic (the interpreter's is numpy's, in fp32 or, with ``--bf16``, under
-bf16 autocast; a GPU's bf16 instructions and fast math are its own), its launches (no CUDA graphs, no PDL), and libdevice's functions, which the interpreter lacks
-and which are given here by Triton's own math (``_libdevice_interpreted``).
+bf16 autocast; a GPU's bf16 instructions and fast math are its own), its launches (no CUDA graphs, no PDL),
+and libdevice's functions, which the interpreter lacks and which are given here by Triton's own math
+(``_libdevice_interpreted``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from benchmarks.document_conv import three_documents_per_sample  # noqa: E402
 from benchmarks.inductor_count import attributes_set, gpu_kernels_built_for_cpu_tensors  # noqa: E402
+from benchmarks.kernel_issue import launches_recorded  # noqa: E402
 from benchmarks.kernel_plan import SPECIAL_IDS, sdconv_as_on_cuda  # noqa: E402
+from benchmarks.train_step import electra_config_for  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.engine.compile_options import inductor_options  # noqa: E402
 from convbert_ds.errors import UserError  # noqa: E402
@@ -67,7 +70,6 @@ def _libdevice_interpreted() -> dict:
             "isnan": lambda x: x != x, "isinf": lambda x: tl.math.abs(x) == float("inf")}
 
 
-
 def _require_the_interpreter() -> None:
     if not os.environ.get("TRITON_INTERPRET"):
         raise UserError("the kernels run in Triton's interpreter: set TRITON_INTERPRET=1 before python starts "
@@ -78,8 +80,8 @@ def _require_the_interpreter() -> None:
 def gpu_kernels_interpreted():
     """Inside, inductor builds for CPU tensors the Triton kernels it would build for a GPU and Triton's
     interpreter runs them (``TRITON_INTERPRET=1``, set before triton is imported). Every libdevice function
-    that ``_libdevice_interpreted`` does not give raises, naming itself. The interpreter's warnings of its masked-off lanes
-    (a division by the zero a masked load reads) are silenced."""
+    that ``_libdevice_interpreted`` does not give raises, naming itself. The interpreter's warnings of its
+    masked-off lanes (a division by the zero a masked load reads) are silenced."""
     _require_the_interpreter()
     import triton.language.extra.libdevice as libdevice
 
@@ -118,9 +120,6 @@ def check_step(options: dict, layers: int = 1, bf16: bool = False, worst: int = 
     error against eager's (``worst``: how many of the largest are kept). ``bf16``: both under bf16 autocast
     with the residual stream in bf16, as the paper configs run on a GPU."""
     _require_the_interpreter()  # before the eager step, whose SDConv is already Triton's
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-
-    from benchmarks.train_step import electra_config_for
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.layers import compile_step
 
@@ -141,17 +140,10 @@ def check_step(options: dict, layers: int = 1, bf16: bool = False, worst: int = 
         model.zero_grad(set_to_none=True)
         return loss.item(), grads
 
-    launches = [0]
-    run = CachingAutotuner.run
-
-    def counted(self, *args, **kwargs):
-        launches[0] += 1
-        return run(self, *args, **kwargs)
-
     with attributes_set(sdconv_as_on_cuda()):
         eager_loss, eager = step()
         torch._dynamo.reset()
-        with gpu_kernels_interpreted(), attributes_set(((CachingAutotuner, "run", counted),)):
+        with gpu_kernels_interpreted(), launches_recorded(also_run=True) as launches:
             compile_step(model, cuda_graphs=False, options=options)
             start = time.perf_counter()
             compiled_loss, compiled = step()
@@ -162,7 +154,7 @@ def check_step(options: dict, layers: int = 1, bf16: bool = False, worst: int = 
                            f"{sorted(compiled.keys() ^ eager.keys())[:5]}")
     errors = sorted(((_relative(compiled[name], grad), name) for name, grad in eager.items()
                      if not name.endswith(ROUNDING_ONLY)), reverse=True)
-    return StepCheck(launches[0], seconds, eager_loss, compiled_loss, errors[:worst], len(errors))
+    return StepCheck(len(launches), seconds, eager_loss, compiled_loss, errors[:worst], len(errors))
 
 
 def main(argv: list[str] | None = None) -> None:

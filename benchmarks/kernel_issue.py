@@ -58,9 +58,10 @@ class Launch:
 
 
 @contextlib.contextmanager
-def launches_recorded():
+def launches_recorded(also_run: bool = False):
     """Inside, every launch of an inductor Triton kernel is appended to the list it yields instead of run
-    (inside ``inductor_count.gpu_kernels_on_cpu``, where no kernel runs anyway)."""
+    (inside ``inductor_count.gpu_kernels_on_cpu``, where no kernel runs anyway); ``also_run``: and run (in
+    Triton's interpreter, ``interpreted_step.gpu_kernels_interpreted``)."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
     from benchmarks.inductor_count import attributes_set
@@ -71,7 +72,9 @@ def launches_recorded():
         names = [name for name in self.fn.arg_names if self.triton_meta["signature"].get(name) != "constexpr"]
         launches.append(Launch(self, tuple((name, value) for name, value in zip(names, args)
                                           if isinstance(value, int) and not isinstance(value, bool))))
+        return run(self, *args, **kwargs) if also_run else None
 
+    run = CachingAutotuner.run
     with attributes_set(((CachingAutotuner, "run", record),)):
         yield launches
 

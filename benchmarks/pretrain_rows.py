@@ -278,54 +278,55 @@ def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) 
     return f"the partitioned step recorded {cell} CUDA graphs" if captured else ""
 
 
-# The most telling first (a 15-minute lease reaches the first two or three; compiling base's whole step takes
-# 120-190 s on a fresh H200). The issue's figures, on the paper configs' path (the autocast file, the whole step
-# compiled and captured by hand: what their cuda_graphs=auto picks on one GPU; the residual stream in bf16,
-# model.overrides.residual_dtype=autocast): base with sdconv_impl=auto as the configs run it (the packed conv
-# through inductor when compiled, model/depthwise.py) at configs/base.yaml's own global batch of 256, which one GPU
-# runs as one micro-batch, profiled: where the step's time goes, kernel by kernel, and the baseline every other row
-# of a lease is read against (leases run on different machines; 28.6% MFU on the 2026-11-28 H200); transformers'
-# ConvBERT compiled in a plain loop at the same shape (the issue's ratio, in the same command as the MFU figure; its
-# compile overlaps the others'); the same with the fused kernels' block sizes tuned (train.compile_autotune=kernels,
-# profiled: inductor's elementwise and reduction kernels are 22.5 ms of its 63.4, the GELUs running at about 2.7-3
-# TB/s of the H200's 4.8); the same with inductor's combo kernels (train.compile_options.combo_kernels: independent
-# kernels launched as one, profiled: the step's 1,659 kernels under 10 us, whose count hardly grows with the batch,
-# took 4.41 ms of it); transformers' ConvBERT eager at that shape (seconds to start: the ratio's fallback, and what
-# a user who does not compile runs); small and base at seq 512 (owed to the issue); programmatic dependent launch at
-# batch 256 (train.compile_options.triton.enable_pdl, profiled: each of inductor's kernels may start while the one
-# before it drains, on Hopper; the step launches 2,663 kernels, most of them short); base at the acceptance's batch
-# of 128, profiled (the baseline of the leases before; 0.90x the samples/s of batch 256); max-autotune at batch 256
-# (profiled: what its matmul templates and fused epilogues change, the GELUs and their backwards being 6.8 ms of the
-# batch-256 step; its compile outlasted the 141 s one lease had left); the Triton conv forced (the A/B of the conv);
-# the residual stream in fp32 as autocast leaves it (the A/B of the bf16 stream: 3,119 against 3,265 samples/s on
-# the 2026-11-27 H200); ZeRO-1's bf16 weights, captured (no autocast casts, half the elementwise traffic;
-# DeepSpeed's optimizer step outside the graphs); the paper path captured eager, which starts in seconds; each layer
-# width compiled once (train.compile_layers_once: the same samples/s on the H200, its gradients checked there);
-# inductor drawing dropout and sampling in its fused kernels (train.compile_random=inductor: 0.974x the eager draws'
-# samples/s on the 2026-11-28 H200, profiled). Then inductor's CUDA graphs instead of the capture (profiled), and
-# without inductor's graph partitioning (run only when the partitioned step recorded no CUDA graph); eager
-# (profiled); then what each other switch changes, one at a time, with the residual stream autocast leaves (the rows
-# of earlier leases).
+# The most telling first (a 15-minute lease reaches the first four or five, four at a time; compiling base's whole
+# step takes 120-190 s on a fresh H200, about 260 s with four compiling at once). The issue's figures, on the paper
+# configs' path (the autocast file, the whole step compiled and captured by hand: what their cuda_graphs=auto picks
+# on one GPU; the residual stream in bf16, model.overrides.residual_dtype=autocast; inductor's combo kernels, their
+# train.compile_options): base with sdconv_impl=auto as the configs run it (the packed conv through inductor when
+# compiled, model/depthwise.py) at configs/base.yaml's own global batch of 256, which one GPU runs as one
+# micro-batch, profiled: where the step's time goes, kernel by kernel, and the baseline every other row of a lease
+# is read against (leases run on different machines; 29.6% MFU on the 2026-11-30 H200); transformers' ConvBERT
+# compiled in a plain loop at the same shape (the issue's ratio, in the same command as the MFU figure; its compile
+# overlaps the others'); the same with the fused kernels' block sizes tuned (train.compile_autotune=kernels,
+# profiled: inductor's elementwise and reduction kernels are 22.6 ms of its 63.5, the GELUs running at about 2.7-3
+# TB/s of the H200's 4.8; it has never reached its first step beside three other compiles: its tuning runs in the
+# captured step's warm-up); the same without combo kernels (their A/B: 3,901 against 3,947 samples/s on the
+# 2026-11-30 H200, 3,864 against 3,917 on the 2026-11-29 one); transformers' ConvBERT eager at that shape (the
+# ratio's fallback, and what a user who does not compile runs); small and base at seq 512 (the issue asks for them
+# beside base); max-autotune at batch 256 (profiled: what its matmul templates and fused epilogues change, the GELUs
+# and their backwards being 6.8 ms of the step; its compile outlasted the 141 s one lease had left); base at the
+# acceptance's batch of 128, profiled (the baseline of the early leases); the Triton conv forced (the A/B of the
+# conv); the residual stream in fp32 as autocast leaves it (the A/B of the bf16 stream: 3,119 against 3,265
+# samples/s on the 2026-11-27 H200); ZeRO-1's bf16 weights, captured (no autocast casts, half the elementwise
+# traffic; DeepSpeed's optimizer step outside the graphs); the paper path captured eager, which starts in seconds;
+# each layer width compiled once (train.compile_layers_once: the same samples/s on the H200, its gradients checked
+# there); inductor drawing dropout and sampling in its fused kernels (train.compile_random=inductor: 0.974x the eager
+# draws' samples/s on the 2026-11-28 H200, profiled); programmatic dependent launch (train.compile_options.
+# triton.enable_pdl: 3,902 against 3,901 samples/s on the 2026-11-30 H200, where each of inductor's kernels may
+# start while the one before it drains). Then inductor's CUDA graphs instead of the capture (profiled), and without
+# inductor's graph partitioning (run only when the partitioned step recorded no CUDA graph); eager (profiled); then
+# what each other switch changes, one at a time, with the residual stream autocast leaves (the rows of earlier
+# leases). Every compiled row of configs/PRESET.yaml takes its train.compile_options too (combo kernels).
 PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture", residual="autocast")
 GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, profile=True),
             ReferenceRun("base", batch=256),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, autotune="kernels",
                         profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256,
-                        options=(("combo_kernels", True),), profile=True),
+                        options=(("combo_kernels", False),), profile=True),
             ReferenceRun("base", batch=256, compile=False),
             PretrainRun("small", "bf16", "auto", True, "step", **PAPER_PATH),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, seq=512),
-            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256,
-                        options=(("triton.enable_pdl", True),), profile=True),
-            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, autotune=True, profile=True),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", **PAPER_PATH),
             PretrainRun("base", "bf16", "auto", True, "step", **{**PAPER_PATH, "residual": "fp32"}),
             PretrainRun("base", "bf16", "auto", True, "step", cuda_graphs="capture"),
             PretrainRun("base", "bf16", "auto", False, **PAPER_PATH),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, layers_once=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, random="inductor", profile=True),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256,
+                        options=(("triton.enable_pdl", True),), profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, profile=True),
             PretrainRun("base", "bf16", "triton", True, "step", ds_config=AUTOCAST, graph_partition=False),
             PretrainRun("base", "bf16", "triton", False, ds_config=AUTOCAST, profile=True),

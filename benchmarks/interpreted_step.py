@@ -2,8 +2,8 @@
 and every gradient against eager's: whether an inductor option a GPU lease would A/B (``train.compile_options``,
 e.g. combo kernels) still computes the model, checked before a lease spends its minutes on the option's speed.
 
-    TRITON_INTERPRET=1 python benchmarks/interpreted_step.py                             # as the configs compile it
-    TRITON_INTERPRET=1 python benchmarks/interpreted_step.py --option combo_kernels=true
+    TRITON_INTERPRET=1 python benchmarks/interpreted_step.py                             # no inductor option
+    TRITON_INTERPRET=1 python benchmarks/interpreted_step.py --option combo_kernels=true  # as the paper configs
 
 Why: a GPU's compiled step runs Triton kernels that no CPU compile builds (a CPU gets C++ kernels, grouped
 otherwise), so the CPU tests of the compiled step never run them, and an option that changes only them (combo

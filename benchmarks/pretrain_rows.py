@@ -289,7 +289,7 @@ def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) 
 # compiled in a plain loop at the same shape (the issue's ratio, in the same command as the MFU figure; its compile
 # overlaps the others'); the same with the fused kernels' block sizes tuned (train.compile_autotune=kernels,
 # profiled: inductor's elementwise and reduction kernels are 22.6 ms of its 63.5, the GELUs running at about 2.7-3
-# TB/s of the H200's 4.8; it has never reached its first step beside three other compiles: its tuning runs in the
+# TB/s of the H200's 4.8; it has never reached its first step beside other compiles: its tuning runs in the
 # captured step's warm-up); the same without combo kernels (their A/B: 3,901 against 3,947 samples/s on the
 # 2026-11-30 H200, 3,864 against 3,917 on the 2026-11-29 one); transformers' ConvBERT eager at that shape (the
 # ratio's fallback, and what a user who does not compile runs); small and base at seq 512 (the issue asks for them

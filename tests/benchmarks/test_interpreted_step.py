@@ -1,6 +1,7 @@
-"""The compiled step with the GPU's kernels run by Triton's interpreter (``benchmarks/interpreted_step.py``): as
-the configs compile it and with combo kernels, every gradient is eager's; and what runs is inductor's kernel,
-in the interpreter (a wrong erf there shows). About a minute a compiled step on 2 cores."""
+"""The compiled step with the GPU's kernels run by Triton's interpreter (``benchmarks/interpreted_step.py``):
+without inductor options and with combo kernels (as the paper configs compile it), every gradient is eager's;
+and what runs is inductor's kernel, in the interpreter (a wrong erf there shows). About a minute a compiled step
+on 2 cores."""
 
 from __future__ import annotations
 

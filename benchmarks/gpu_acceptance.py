@@ -19,20 +19,20 @@ under one overall budget, so one that hangs or fails still leaves the others' fi
    DeepSpeed engine (``zero0_autocast_bf16``) vs transformers' ConvBERT, eager, step times, their ratios, and
    ops / syncs per step; then our two loops with the step captured as CUDA graphs (``--capture``).
 5. ``pretrain``: one-GPU ELECTRA pretraining through ``convbert_ds.train`` itself at seq 128 and 512, small and
-   base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step, ZeRO-1 bf16 vs
-   ZeRO-0 under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and
-   without inductor's graph partitioning, the step captured by hand (``train.cuda_graphs: capture``), its
-   layers unrolled or compiled once per width (``train.compile_layers_once``), inductor's fused kernels
-   tuned and its max-autotune (``train.compile_autotune=kernels``, ``true``), the residual stream in bf16
+   base, bf16 and fp16, SDConv torch vs triton, compile off vs layers vs the whole step, ZeRO-1 bf16 vs ZeRO-0
+   under torch autocast (``ds_configs/zero0_autocast_bf16.json``), the compiled step with and without inductor's
+   graph partitioning, the step captured by hand (``train.cuda_graphs: capture``), its layers unrolled or
+   compiled once per width (``train.compile_layers_once``), inductor's fused kernels tuned, its matmul templates
+   and its max-autotune (``train.compile_autotune=kernels``, ``matmuls``, ``true``), the residual stream in bf16
    (``model.overrides.residual_dtype=autocast``), dropout and sampling drawn by inductor
    (``train.compile_random=inductor``); samples/s, tokens/s and MFU are the medians of the trainer's own
-   ``metrics.jsonl`` after warm-up, with the CUDA graphs the step recorded (the most telling runs first).
-   The headline rows then profile 3 more steps (``train.profile``): the device's busy time against the wall
-   time, the top kernels and host ops. Beside them, transformers' ConvBERT in a plain loop at base's batch of
-   256 (``benchmarks/train_step.py --rows transformers``, compiled and eager): each row's samples/s over its
-   faster row's, at the same preset and shape. Up to ``--together`` rows run at once (4 on a GPU): their
-   compiles, minutes each on the host, overlap; the first ready to time (its first step logged) goes on
-   alone, the others paused.
+   ``metrics.jsonl`` after warm-up, with the CUDA graphs the step recorded (the most telling runs first). The
+   headline rows then profile 3 more steps (``train.profile``): the device's busy time against the wall time, the
+   top kernels and host ops. Beside them, transformers' ConvBERT in a plain loop at base's batch of 256
+   (``benchmarks/train_step.py --rows transformers``, compiled and eager): each row's samples/s over its faster
+   row's, at the same preset and shape. Up to ``--together`` rows run at once (4 on a GPU): their compiles,
+   minutes each on the host, overlap; the first ready to time (its first step logged) goes on alone, the others
+   paused.
 6. ``nccl``: the trainer on 2 processes sharing the one GPU through NCCL, or a note saying why not.
 7. ``layer_ops``: one layer's ops on their own at base's shape, eager and compiled:
    ``benchmarks/residual_dtype.py`` (the residual stream in bf16 against fp32, with inductor's count of its
@@ -273,7 +273,9 @@ class Acceptance:
                           f"`TORCHINDUCTOR_GRAPH_PARTITION=0`; capture: the step captured by hand "
                           f"(`train.cuda_graphs=capture`); layers once: one compiled layer per width "
                           f"(`train.compile_layers_once=true`); tuned kernels: the block sizes of inductor's "
-                          f"fused kernels tuned (`train.compile_autotune=kernels`); autotune: inductor's "
+                          f"fused kernels tuned (`train.compile_autotune=kernels`); tuned matmuls: each matmul "
+                          f"timed as Triton templates, elementwise epilogues fused in, against cuBLAS "
+                          f"(`train.compile_autotune=matmuls`); autotune: inductor's "
                           f"max-autotune (`train.compile_autotune=true`); inductor random: dropout and sampling "
                           f"drawn in inductor's kernels (`train.compile_random=inductor`); NAME=VALUE: that "
                           f"option of inductor's (`train.compile_options.NAME=VALUE`), over those the config "

@@ -4,6 +4,7 @@ e.g. combo kernels) still computes the model, checked before a lease spends its 
 
     TRITON_INTERPRET=1 python benchmarks/interpreted_step.py                             # no inductor option
     TRITON_INTERPRET=1 python benchmarks/interpreted_step.py --option combo_kernels=true  # as the paper configs
+    TRITON_INTERPRET=1 python benchmarks/interpreted_step.py --ffn --autotune matmuls     # the FFN, its kernels
 
 Why: a GPU's compiled step runs Triton kernels that no CPU compile builds (a CPU gets C++ kernels, grouped
 otherwise), so the CPU tests of the compiled step never run them, and an option that changes only them (combo
@@ -12,7 +13,9 @@ a lease. Here inductor builds the GPU's kernels for CPU tensors (``inductor_coun
 gpu_kernels_built_for_cpu_tensors``: the GPU's fusion, configurations and combo kernels), the SDConv runs as
 on CUDA (its Triton custom ops, the packed conv through inductor), and Triton's interpreter runs every kernel,
 program by program, in numpy: about a minute for the tiny model's step (one layer a body, one sample of 32
-tokens from three documents; dropout on, the draws eager's).
+tokens from three documents; dropout on, the draws eager's). ``--ffn``: the feed-forward block alone at a
+``train.compile_autotune`` level, with the kernels its step runs (``check_ffn``: whether the GELU goes into
+the matmul templates' epilogues).
 
 What it does not check: a GPU's arithmetic (the interpreter's is numpy's, in fp32 or, with ``--bf16``, under
 bf16 autocast; a GPU's bf16 instructions and fast math are its own), its launches (no CUDA graphs, no PDL),
@@ -114,11 +117,12 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def check_step(options: dict, layers: int = 1, bf16: bool = False, worst: int = 5) -> StepCheck:
+def check_step(options: dict, layers: int = 1, bf16: bool = False, worst: int = 5,
+               autotune: bool | str = False) -> StepCheck:
     """One training step of the tiny model, eager and then compiled (``compile_step``, inductor's ``options``,
-    checked) with the GPU's kernels interpreted, from the same weights and draws; each gradient's relative
-    error against eager's (``worst``: how many of the largest are kept). ``bf16``: both under bf16 autocast
-    with the residual stream in bf16, as the paper configs run on a GPU."""
+    checked, and ``train.compile_autotune``'s level) with the GPU's kernels interpreted, from the same weights
+    and draws; each gradient's relative error against eager's (``worst``: how many of the largest are kept).
+    ``bf16``: both under bf16 autocast with the residual stream in bf16, as the paper configs run on a GPU."""
     _require_the_interpreter()  # before the eager step, whose SDConv is already Triton's
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.layers import compile_step
@@ -144,7 +148,7 @@ def check_step(options: dict, layers: int = 1, bf16: bool = False, worst: int = 
         eager_loss, eager = step()
         torch._dynamo.reset()
         with gpu_kernels_interpreted(), launches_recorded(also_run=True) as launches:
-            compile_step(model, cuda_graphs=False, options=options)
+            compile_step(model, cuda_graphs=False, autotune=autotune, options=options)
             start = time.perf_counter()
             compiled_loss, compiled = step()
             seconds = time.perf_counter() - start
@@ -157,28 +161,99 @@ def check_step(options: dict, layers: int = 1, bf16: bool = False, worst: int = 
     return StepCheck(len(launches), seconds, eager_loss, compiled_loss, errors[:worst], len(errors))
 
 
+# Where the interpreter cannot stand in for a GPU's choice of matmul, these make it: a Triton template for
+# every matmul (on a GPU each is timed against cuBLAS; here numpy's templates would lose every time), one
+# configuration each (the interpreter times each one, ~0.6 s), and the template's epilogue fused without
+# timing the fusion (its timing source cannot be built for CPU tensors).
+TEMPLATES_CHOSEN = {"max_autotune_gemm_backends": "TRITON", "test_configs.max_mm_configs": 1,
+                    "benchmark_epilogue_fusion": False}
+FFN_ROWS = 16
+
+
+@dataclass(frozen=True)
+class FfnCheck:
+    kernels: list[str]  # inductor's Triton kernels that the compiled FFN's step ran, in order
+    worst: float  # the largest relative error of a gradient (the input's, each weight's) against eager's
+
+
+def check_ffn(autotune: bool | str, options: dict | None = None) -> FfnCheck:
+    """The tiny model's feed-forward block alone (``ConvBertIntermediate``: matmul, GELU; ``ConvBertOutput``:
+    matmul, residual, LayerNorm), in eval mode (no dropout), compiled at ``train.compile_autotune``'s level
+    (and inductor's ``options``, checked) with the GPU's kernels interpreted; the matmul templates chosen
+    (``TEMPLATES_CHOSEN``) where the level has them. Which kernels its step runs once compiled and tuned, and
+    its gradients against eager's: whether the GELU and its backward go into the matmuls' epilogues, where
+    only the level ``matmuls`` (or ``true``) can put them."""
+    from convbert_ds.config import preset
+    from convbert_ds.model.layers import ConvBertIntermediate, ConvBertOutput, step_inductor_options
+
+    class Ffn(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.intermediate, self.output = ConvBertIntermediate(config), ConvBertOutput(config)
+
+        def forward(self, x):
+            return self.output(self.intermediate(x), x)
+
+    config = preset("tiny")
+    torch.manual_seed(0)
+    ffn = Ffn(config).eval()
+    x = torch.randn(FFN_ROWS, config.hidden_size, requires_grad=True)
+    weights = torch.randn(FFN_ROWS, config.hidden_size)  # a loss whose gradient is not the same everywhere
+
+    def step(forward) -> list[torch.Tensor]:
+        x.grad = None
+        ffn.zero_grad(set_to_none=True)
+        (forward(x) * weights).sum().backward()
+        return [x.grad.clone(), *(p.grad.clone() for p in ffn.parameters())]
+
+    eager = step(ffn)
+    level = step_inductor_options(cuda_graphs=False, layers_once=False, autotune=autotune, eager_random=True)
+    options = {**level, **(options or {})}
+    if options.get("max_autotune_gemm") or options.get("max_autotune"):
+        options.update(TEMPLATES_CHOSEN)
+    torch._dynamo.reset()
+    with gpu_kernels_interpreted():
+        compiled = torch.compile(ffn, fullgraph=True, dynamic=False, options=options)
+        step(compiled)  # compiles, and tunes what the level tunes
+        with launches_recorded(also_run=True) as launches:
+            grads = step(compiled)
+    torch._dynamo.reset()
+    return FfnCheck([launch.name for launch in launches], max(map(_relative, grads, eager)))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="one of inductor's options, as train.compile_options takes it (e.g. combo_kernels=true); "
                              "repeatable")
+    parser.add_argument("--autotune", default="false", metavar="LEVEL",
+                        help="train.compile_autotune's level: false, kernels, matmuls or true (default: false)")
+    parser.add_argument("--ffn", action="store_true",
+                        help="the feed-forward block alone (check_ffn), at --autotune's level with any --option: "
+                             "the kernels its step runs, and its gradients against eager's (fp32)")
     parser.add_argument("--layers", type=bounded(int, min=1), default=1, help="layers a body (the tiny model's: 2)")
     parser.add_argument("--bf16", action="store_true",
                         help="under bf16 autocast, the residual stream in bf16, as the paper configs on a GPU")
     parser.add_argument("--tolerance", type=bounded(float, min=0.0), default=None,
                         help="the largest relative error of a gradient against eager's that passes (default: 1e-4 "
                              "in fp32; 0.1 in bf16, where eager rounds each op's result to bf16 and inductor's "
-                             "fused kernels keep fp32 between their ops: 0.047 measured, combo kernels or not)")
+                             "fused kernels keep fp32 between their ops: 0.047 measured, combo kernels or not; "
+                             "--ffn: 1e-5)")
     args = parser.parse_args(argv)
-    tolerance = args.tolerance if args.tolerance is not None else 0.1 if args.bf16 else 1e-4
+    tolerance = args.tolerance if args.tolerance is not None else 1e-5 if args.ffn else 0.1 if args.bf16 else 1e-4
     loss_tolerance = 1e-3 if args.bf16 else 1e-5
     # The options checked as the trainer checks train.compile_options, before any compile.
-    options = inductor_options(load_config(None, ["train.compile_mode=step",
-                                                  *(f"train.compile_options.{text}" for text in args.option)]))
-    check = check_step(options, args.layers, args.bf16)
+    cfg = load_config(None, ["train.compile_mode=step", f"train.compile_autotune={args.autotune}",
+                             *(f"train.compile_options.{text}" for text in args.option)])
+    options = inductor_options(cfg)
+    if args.ffn:
+        _print_ffn(check_ffn(cfg.train.compile_autotune, options), args.autotune, tolerance)
+        return
+    check = check_step(options, args.layers, args.bf16, autotune=cfg.train.compile_autotune)
     precision = "bf16 autocast" if args.bf16 else "fp32"
     print(f"the tiny step (1 x {SEQ}, {args.layers} layer(s) a body, {precision}), inductor's GPU kernels in Triton's "
-          f"interpreter{''.join(f', inductor {option_text(k, v)}' for k, v in options.items())} | "
+          f"interpreter{f', train.compile_autotune={args.autotune}' if cfg.train.compile_autotune else ''}"
+          f"{''.join(f', inductor {option_text(k, v)}' for k, v in options.items())} | "
           f"torch {torch.__version__}")
     print(f"kernels launched: {check.launches:,}; first call {check.seconds:.0f} s (compile and interpreter)")
     print(f"loss: eager {check.eager_loss:.8f}, compiled {check.compiled_loss:.8f}")
@@ -188,6 +263,19 @@ def main(argv: list[str] | None = None) -> None:
     off = (check.worst[0][0] > tolerance
            or abs(check.compiled_loss - check.eager_loss) > loss_tolerance * abs(check.eager_loss))
     print(f"{'FAILED' if off else 'passed'}: tolerance {tolerance:g} a gradient, {loss_tolerance:g} the loss")
+    if off:
+        raise SystemExit(1)
+
+
+def _print_ffn(check: FfnCheck, level: str, tolerance: float) -> None:
+    print(f"the tiny model's feed-forward block ({FFN_ROWS} rows, fp32, eval), train.compile_autotune={level}, "
+          f"inductor's GPU kernels in Triton's interpreter | torch {torch.__version__}")
+    print(f"kernels its step runs ({len(check.kernels)}):")
+    for name in check.kernels:
+        print(f"  {name}")
+    off = check.worst > tolerance
+    print(f"largest relative gradient error against eager: {check.worst:.2e}")
+    print(f"{'FAILED' if off else 'passed'}: tolerance {tolerance:g}")
     if off:
         raise SystemExit(1)
 

@@ -33,8 +33,8 @@ class PretrainRun:
     cuda_graphs: str = "inductor"  # train.cuda_graphs: inductor, capture (by hand) or off
     profile: bool = False  # after the timed steps, PROFILED_STEPS more, profiled (not in the medians)
     layers_once: bool = False  # train.compile_layers_once (step only): one compiled layer per width, reused
-    autotune: bool | str = False  # train.compile_autotune (step only): "kernels" tunes the fused kernels, True
-    # is inductor's max-autotune (AUTOTUNE_LABELS)
+    autotune: bool | str = False  # train.compile_autotune (step only): "kernels" tunes the fused kernels,
+    # "matmuls" times Triton matmul templates (epilogues fused) against cuBLAS, True is inductor's max-autotune, both
     residual: str = "fp32"  # model.overrides.residual_dtype: "autocast" (the paper configs') keeps it in bf16
     random: str = "eager"  # train.compile_random: "inductor" draws dropout and sampling in inductor's kernels
     options: tuple = ()  # train.compile_options as (inductor's name, value) pairs
@@ -81,7 +81,7 @@ PROFILED_STEPS = 3  # steps a profiled row runs after its timed ones, under the 
 GRAPHS_CELL = 5  # the index of the CUDA-graphs cell in StartedRow.figures
 FIGURE_CELLS = 7  # StartedRow.figures' cells: samples/s, tokens/s, TFLOP/s, MFU, to first step, CUDA graphs, peak
 # Each train.compile_autotune level as the tables and the run names say it.
-AUTOTUNE_LABELS = {False: "", "kernels": "tuned kernels", True: "autotune"}
+AUTOTUNE_LABELS = {False: "", "kernels": "tuned kernels", "matmuls": "tuned matmuls", True: "autotune"}
 AUTOCAST = "zero0_autocast_bf16"  # fp32 weights, bf16 autocast, torch's fused AdamW, the trainer's fused clip
 
 
@@ -278,38 +278,43 @@ def partitioning_captured(spec: PretrainRun, graphs_of: dict[PretrainRun, str]) 
     return f"the partitioned step recorded {cell} CUDA graphs" if captured else ""
 
 
-# The most telling first (a 15-minute lease reaches the first four or five, four at a time; compiling base's whole
-# step takes 120-190 s on a fresh H200, about 260 s with four compiling at once). The issue's figures, on the paper
-# configs' path (the autocast file, the whole step compiled and captured by hand: what their cuda_graphs=auto picks
-# on one GPU; the residual stream in bf16, model.overrides.residual_dtype=autocast; inductor's combo kernels, their
+# The most telling first (a 15-minute lease reaches the first four or five, four at a time; compiling base's whole step
+# takes 120-190 s on a fresh H200, about 260 s with four compiling at once). The issue's figures, on the paper configs'
+# path (the autocast file, the whole step compiled and captured by hand: what their cuda_graphs=auto picks on one GPU;
+# the residual stream in bf16, model.overrides.residual_dtype=autocast; inductor's combo kernels, their
 # train.compile_options): base with sdconv_impl=auto as the configs run it (the packed conv through inductor when
-# compiled, model/depthwise.py) at configs/base.yaml's own global batch of 256, which one GPU runs as one
-# micro-batch, profiled: where the step's time goes, kernel by kernel, and the baseline every other row of a lease
-# is read against (leases run on different machines; 29.6% MFU on the 2026-11-30 H200); transformers' ConvBERT
-# compiled in a plain loop at the same shape (the issue's ratio, in the same command as the MFU figure; its compile
-# overlaps the others'); the same with the fused kernels' block sizes tuned (train.compile_autotune=kernels,
-# profiled: inductor's elementwise and reduction kernels are 22.6 ms of its 63.5, the GELUs running at about 2.7-3
-# TB/s of the H200's 4.8; it has never reached its first step beside other compiles: its tuning runs in the
-# captured step's warm-up); the same without combo kernels (their A/B: 3,901 against 3,947 samples/s on the
-# 2026-11-30 H200, 3,864 against 3,917 on the 2026-11-29 one); transformers' ConvBERT eager at that shape (the
-# ratio's fallback, and what a user who does not compile runs); small and base at seq 512 (the issue asks for them
-# beside base); max-autotune at batch 256 (profiled: what its matmul templates and fused epilogues change, the GELUs
-# and their backwards being 6.8 ms of the step; its compile outlasted the 141 s one lease had left); base at the
-# acceptance's batch of 128, profiled (the baseline of the early leases); the Triton conv forced (the A/B of the
-# conv); the residual stream in fp32 as autocast leaves it (the A/B of the bf16 stream: 3,119 against 3,265
-# samples/s on the 2026-11-27 H200); ZeRO-1's bf16 weights, captured (no autocast casts, half the elementwise
-# traffic; DeepSpeed's optimizer step outside the graphs); the paper path captured eager, which starts in seconds;
-# each layer width compiled once (train.compile_layers_once: the same samples/s on the H200, its gradients checked
-# there); inductor drawing dropout and sampling in its fused kernels (train.compile_random=inductor: 0.974x the eager
-# draws' samples/s on the 2026-11-28 H200, profiled); programmatic dependent launch (train.compile_options.
-# triton.enable_pdl: 3,902 against 3,901 samples/s on the 2026-11-30 H200, where each of inductor's kernels may
-# start while the one before it drains). Then inductor's CUDA graphs instead of the capture (profiled), and without
-# inductor's graph partitioning (run only when the partitioned step recorded no CUDA graph); eager (profiled); then
-# what each other switch changes, one at a time, with the residual stream autocast leaves (the rows of earlier
-# leases). Every compiled row of configs/PRESET.yaml takes its train.compile_options too (combo kernels).
+# compiled, model/depthwise.py) at configs/base.yaml's own global batch of 256, which one GPU runs as one micro-batch,
+# profiled: where the step's time goes, kernel by kernel, and the baseline every other row of a lease is read against
+# (leases run on different machines; 29.6% MFU on the 2026-11-30 H200); transformers' ConvBERT compiled in a plain loop
+# at the same shape (the issue's ratio, in the same command as the MFU figure; its compile overlaps the others'); the
+# same with its matmuls timed as Triton templates against cuBLAS, the GELU after the FFN's first matmul fused in as a
+# template's epilogue where a template wins (train.compile_autotune=matmuls, profiled: the GELUs and their backwards are
+# 6.8 ms of the step, the lever the queued ones leave; its timing runs while the step compiles, none at the first call);
+# the same with the fused kernels' block sizes tuned (train.compile_autotune=kernels, profiled: inductor's elementwise
+# and reduction kernels are 22.6 ms of its 63.5, the GELUs running at about 2.7-3 TB/s of the H200's 4.8; it has never
+# reached its first step beside other compiles: its tuning runs in the captured step's warm-up); the same without combo
+# kernels (their A/B: 3,901 against 3,947 samples/s on the 2026-11-30 H200, 3,864 against 3,917 on the 2026-11-29 one);
+# transformers' ConvBERT eager at that shape (the ratio's fallback, and what a user who does not compile runs); small
+# and base at seq 512 (the issue asks for them beside base); max-autotune at batch 256 (profiled: what its matmul
+# templates and fused epilogues change, the GELUs and their backwards being 6.8 ms of the step; its compile outlasted
+# the 141 s one lease had left); base at the acceptance's batch of 128, profiled (the baseline of the early leases); the
+# Triton conv forced (the A/B of the conv); the residual stream in fp32 as autocast leaves it (the A/B of the bf16
+# stream: 3,119 against 3,265 samples/s on the 2026-11-27 H200); ZeRO-1's bf16 weights, captured (no autocast casts,
+# half the elementwise traffic; DeepSpeed's optimizer step outside the graphs); the paper path captured eager, which
+# starts in seconds; each layer width compiled once (train.compile_layers_once: the same samples/s on the H200, its
+# gradients checked there); inductor drawing dropout and sampling in its fused kernels (train.compile_random=inductor:
+# 0.974x the eager draws' samples/s on the 2026-11-28 H200, profiled); programmatic dependent launch
+# (train.compile_options.triton.enable_pdl: 3,902 against 3,901 samples/s on the 2026-11-30 H200, where each of
+# inductor's kernels may start while the one before it drains). Then inductor's CUDA graphs instead of the capture
+# (profiled), and without inductor's graph partitioning (run only when the partitioned step recorded no CUDA graph);
+# eager (profiled); then what each other switch changes, one at a time, with the residual stream autocast leaves (the
+# rows of earlier leases). Every compiled row of configs/PRESET.yaml takes its train.compile_options too (combo
+# kernels).
 PAPER_PATH = dict(ds_config=AUTOCAST, cuda_graphs="capture", residual="autocast")
 GPU_RUNS = [PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, profile=True),
             ReferenceRun("base", batch=256),
+            PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, autotune="matmuls",
+                        profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256, autotune="kernels",
                         profile=True),
             PretrainRun("base", "bf16", "auto", True, "step", **PAPER_PATH, batch=256,

@@ -26,6 +26,7 @@ from convbert_ds.formats.train_config import TrainConfig
 _OWNED_IN_BOTH = {"triton.cudagraphs": "train.cuda_graphs", "fallback_random": "train.compile_random"}
 OPTIONS_OWNED = {"step": {**_OWNED_IN_BOTH, "max_autotune": "train.compile_autotune",
                           "max_autotune_pointwise": "train.compile_autotune",
+                          "max_autotune_gemm": "train.compile_autotune",
                           "coordinate_descent_tuning": "train.compile_autotune",
                           "allow_buffer_reuse": "train.compile_layers_once"},
                  "layers": _OWNED_IN_BOTH}

@@ -157,11 +157,12 @@ class TrainSection:
         "every layer instead of unrolling them all into the step's graph: a much shorter first step on CPU "
         "(benchmarks/compile_time.py), no fusion across a layer's edges; off: on an H200 it gave the unrolled "
         "step's samples/s and no shorter compile (benchmarks/RESULTS.md)")] = False
-    compile_autotune: Annotated[Literal[False, "kernels", True], Key(
+    compile_autotune: Annotated[Literal[False, "kernels", "matmuls", True], Key(
         "with train.compile_mode=step (ignored otherwise), on GPUs: kernels = the block sizes of inductor's fused "
-        "elementwise and reduction kernels tuned by timing them (the matmuls stay cuBLAS's); true = inductor's "
-        "max-autotune, that and the matmuls timed as Triton templates (their elementwise epilogues fused in) "
-        "against cuBLAS; minutes more of compiling at the first step; off until a GPU shows either pays "
+        "elementwise and reduction kernels tuned by timing them (the matmuls stay cuBLAS's); matmuls = each "
+        "matmul timed as Triton templates, the elementwise kernel after it fused in as their epilogue, against "
+        "cuBLAS (the fused kernels keep their heuristic block sizes); true = inductor's max-autotune, both; "
+        "minutes more of compiling at the first step; off until a GPU shows one pays "
         "(benchmarks/gpu_acceptance.py)")] = False
     compile_random: Annotated[Literal["eager", "inductor"], Key(
         "with train.compile on: who draws dropout, masking and sampling inside compiled code: eager = torch's "

@@ -338,7 +338,7 @@ def probe_triton_kernels(model: nn.Module, device: torch.device | str, dtype: to
 
 
 def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
-                 autotune: Literal[False, "kernels", True] = False, eager_random: bool = True,
+                 autotune: Literal[False, "kernels", "matmuls", True] = False, eager_random: bool = True,
                  options: dict | None = None) -> None:
     """Put the whole forward of ``model`` (the ELECTRA step: masking, both bodies, sampling, losses) through
     ``torch.compile`` as one graph, in place: ``fullgraph=True``, so a graph break is an error, not a silent
@@ -363,8 +363,10 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
     and in the fused elementwise kernels around them (``benchmarks/RESULTS.md``, H200). ``"kernels"`` times
     several block sizes for each fused elementwise and reduction kernel at its first call, then refines the
     best by coordinate descent: those kernels move bytes, and the heuristic's block sizes ran the GELUs at
-    about 2.7-3 TB/s on the H200. ``True``, inductor's max-autotune, does that too and times Triton matmul
-    templates, which can take those kernels in as epilogues, against cuBLAS: minutes more of compiling.
+    about 2.7-3 TB/s on the H200. ``"matmuls"`` times Triton matmul templates against cuBLAS instead, at
+    compile time: a template can take the elementwise kernel after its matmul in as its epilogue (the FFN's
+    GELU: its separate kernels read and write the 3,072-wide activation, which only the epilogue saves).
+    ``True``, inductor's max-autotune, does both: the most minutes of compiling.
 
     ``eager_random`` (the default): dropout, masking and Gumbel noise draw from torch's own generator, as in
     eager: the same draws, so a compiled run follows the eager one (to rounding), and switching compile on
@@ -407,15 +409,17 @@ def is_training_call(model: nn.Module) -> bool:
     return model.training and torch.is_grad_enabled()
 
 
-def step_inductor_options(cuda_graphs: bool, layers_once: bool, autotune: Literal[False, "kernels", True],
-                          eager_random: bool) -> dict:
+def step_inductor_options(cuda_graphs: bool, layers_once: bool,
+                          autotune: Literal[False, "kernels", "matmuls", True], eager_random: bool) -> dict:
     """Inductor's options for ``compile_step``, whose arguments these are."""
     options = {"triton.cudagraphs": cuda_graphs,  # what mode="reduce-overhead" sets, which options cannot join
                **_random_stream(eager_random)}
     if layers_once:
         options["allow_buffer_reuse"] = False
-    if autotune:
+    if autotune in ("kernels", True):
         options.update({"max_autotune_pointwise": True, "coordinate_descent_tuning": True})
+    if autotune == "matmuls":
+        options["max_autotune_gemm"] = True  # the matmul templates alone
     if autotune is True:
         options["max_autotune"] = True  # the matmul templates too
     return options

@@ -1,7 +1,8 @@
 """``train.compile_autotune``'s levels as inductor options (``step_inductor_options``): every option set is one
-torch.compile takes, and ``kernels`` tunes inductor's own kernels without max-autotune's matmul templates
-(the minutes of compiling that did not finish in a GPU lease). What the tuning gains is measured on a GPU
-(``benchmarks/gpu_acceptance.py``, the pretraining part's second row); on CPU it changes nothing.
+torch.compile takes; ``kernels`` tunes inductor's own kernels without max-autotune's matmul templates (the
+minutes of compiling that did not finish in a GPU lease), and ``matmuls`` the templates without that tuning.
+What each gains is measured on a GPU (``benchmarks/gpu_acceptance.py``, the pretraining rows ``tuned kernels``,
+``tuned matmuls`` and ``autotune``); on CPU they change nothing.
 
 ``train.compile_options``: the rest of inductor's options, checked against the installed torch when the run
 is planned, and handed to both compile modes."""
@@ -16,7 +17,7 @@ from convbert_ds.formats.train_config import load_config, option_text
 from convbert_ds.model.layers import ConvBertLayer, compile_layers, compile_step, step_inductor_options
 from launch import REPO
 
-LEVELS = (False, "kernels", True)
+LEVELS = (False, "kernels", "matmuls", True)
 
 
 @pytest.mark.parametrize("autotune", LEVELS)
@@ -27,22 +28,24 @@ def test_each_level_is_options_that_torch_compile_takes(autotune):
     assert torch.equal(double(torch.arange(4.0)), torch.arange(0.0, 8.0, 2.0))  # an unknown option would raise
 
 
-def test_kernels_tunes_inductors_kernels_and_leaves_the_matmuls_to_cublas():
-    off, kernels, full = (step_inductor_options(False, False, level, True) for level in LEVELS)
-    assert not any(off.get(name) for name in ("max_autotune", "max_autotune_pointwise", "coordinate_descent_tuning"))
-    assert kernels["max_autotune_pointwise"] and kernels["coordinate_descent_tuning"]
-    assert "max_autotune" not in kernels
+def test_kernels_tunes_inductors_kernels_and_matmuls_the_matmul_templates_alone():
+    off, kernels, matmuls, full = (step_inductor_options(False, False, level, True) for level in LEVELS)
+    tuning = ("max_autotune", "max_autotune_gemm", "max_autotune_pointwise", "coordinate_descent_tuning")
+    assert not any(off.get(name) for name in tuning)
+    assert {name for name in tuning if kernels.get(name)} == {"max_autotune_pointwise", "coordinate_descent_tuning"}
+    assert {name for name in tuning if matmuls.get(name)} == {"max_autotune_gemm"}
     assert full["max_autotune"] and full["coordinate_descent_tuning"]
 
 
 def test_the_config_takes_each_level_by_its_yaml_spelling_and_names_the_choices_otherwise():
     config = REPO / "configs" / "tiny_cpu.yaml"
-    spelled = {"false": False, "kernels": "kernels", "true": True}
+    spelled = {"false": False, "kernels": "kernels", "matmuls": "matmuls", "true": True}
     for text, level in spelled.items():
         value = load_config(config, [f"train.compile_autotune={text}"]).train.compile_autotune
         assert value == level and type(value) is type(level), (text, value)
     for bad in ("1", "kernel"):  # YAML's 1 is an int, not true
-        with pytest.raises(ConfigError, match=r"train.compile_autotune=.*use one of \[False, 'kernels', True\]"):
+        with pytest.raises(ConfigError,
+                           match=r"train.compile_autotune=.*use one of \[False, 'kernels', 'matmuls', True\]"):
             load_config(config, [f"train.compile_autotune={bad}"])
 
 
@@ -78,8 +81,10 @@ def test_a_dotted_override_replaces_what_the_file_nests(tmp_path):
 def test_the_options_other_keys_set_are_refused_by_compile_mode():
     """In the step mode, what ``compile_step`` sets with every key on; in the layers mode, only what
     ``compile_layers`` sets (and the CUDA graphs, train.cuda_graphs's): max-autotune is then the user's."""
-    everything = step_inductor_options(cuda_graphs=True, layers_once=True, autotune=True, eager_random=True)
-    assert set(OPTIONS_OWNED["step"]) == set(everything)
+    set_by_a_level = {name for level in LEVELS
+                      for name in step_inductor_options(cuda_graphs=True, layers_once=True, autotune=level,
+                                                        eager_random=True)}
+    assert set(OPTIONS_OWNED["step"]) == set_by_a_level
     assert _options("train.compile_options.max_autotune=true", mode="layers") == {"max_autotune": True}
     with pytest.raises(ConfigError, match=r"fallback_random=True: train.compile_random decides this option "
                                           r"\(train.compile_mode=layers\); use that key"):
@@ -106,6 +111,7 @@ def test_the_options_other_keys_set_are_refused_by_compile_mode():
                               r"\(train.compile_mode=step\); use that key"),
     ("triton={cudagraphs: true}", r"triton.cudagraphs=True: train.cuda_graphs decides this option"),
     ("max_autotune=true", r"max_autotune=True: train.compile_autotune decides this option"),
+    ("max_autotune_gemm=true", r"max_autotune_gemm=True: train.compile_autotune decides this option"),
     ("allow_buffer_reuse=true", r"allow_buffer_reuse=True: train.compile_layers_once decides this option"),
     ("{triton: {multi_kernel: 1}, 'triton.multi_kernel': 2}", r"triton.multi_kernel=2: triton.multi_kernel is given "
                                                                r"twice, dotted and nested under its prefix; in a file, "

@@ -365,7 +365,7 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
     best by coordinate descent: those kernels move bytes, and the heuristic's block sizes ran the GELUs at
     about 2.7-3 TB/s on the H200. ``"matmuls"`` times Triton matmul templates against cuBLAS instead, at
     compile time: a template can take the elementwise kernel after its matmul in as its epilogue (the FFN's
-    GELU: its separate kernels read and write the 3,072-wide activation, which only the epilogue saves).
+    GELU: its separate kernels read and write the 3,072-wide activation; an epilogue saves part of that).
     ``True``, inductor's max-autotune, does both: the most minutes of compiling.
 
     ``eager_random`` (the default): dropout, masking and Gumbel noise draw from torch's own generator, as in

@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
                              "fused kernels keep fp32 between their ops: 0.047 measured, combo kernels or not; "
                              "--ffn: 1e-5)")
     args = parser.parse_args(argv)
+    if args.ffn and (args.bf16 or args.layers != 1):
+        parser.error("--ffn checks the feed-forward block alone, in fp32: drop --layers and --bf16")
     tolerance = args.tolerance if args.tolerance is not None else 1e-5 if args.ffn else 0.1 if args.bf16 else 1e-4
     loss_tolerance = 1e-3 if args.bf16 else 1e-5
     # The options checked as the trainer checks train.compile_options, before any compile.

@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     compiled = cfg.train.compile_mode if cfg.train.compile else "off"
     if compiled == "step":
         compiled += "+layers_once" * cfg.train.compile_layers_once
-        compiled += {False: "", "kernels": "+autotune_kernels", "matmuls": "+autotune_matmuls",
-                     True: "+autotune"}[cfg.train.compile_autotune]
+        level = cfg.train.compile_autotune
+        compiled += "" if level is False else "+autotune" if level is True else f"+autotune_{level}"
     if compiled != "off":
         compiled += "+inductor_random" * (cfg.train.compile_random == "inductor")
         compiled += "".join(f"+{option_text(name, value)}" for name, value in sorted(plan.compile_options.items()))

@@ -337,8 +337,12 @@ def probe_triton_kernels(model: nn.Module, device: torch.device | str, dtype: to
     return {**probe_sdconv(model, device, dtype), **probe_document_conv(model, device)}
 
 
+# train.compile_autotune's levels, as formats/train_config.py declares them (which imports no torch).
+AutotuneLevel = Literal[False, "kernels", "matmuls", True]
+
+
 def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
-                 autotune: Literal[False, "kernels", "matmuls", True] = False, eager_random: bool = True,
+                 autotune: AutotuneLevel = False, eager_random: bool = True,
                  options: dict | None = None) -> None:
     """Put the whole forward of ``model`` (the ELECTRA step: masking, both bodies, sampling, losses) through
     ``torch.compile`` as one graph, in place: ``fullgraph=True``, so a graph break is an error, not a silent
@@ -409,8 +413,8 @@ def is_training_call(model: nn.Module) -> bool:
     return model.training and torch.is_grad_enabled()
 
 
-def step_inductor_options(cuda_graphs: bool, layers_once: bool,
-                          autotune: Literal[False, "kernels", "matmuls", True], eager_random: bool) -> dict:
+def step_inductor_options(cuda_graphs: bool, layers_once: bool, autotune: AutotuneLevel,
+                          eager_random: bool) -> dict:
     """Inductor's options for ``compile_step``, whose arguments these are."""
     options = {"triton.cudagraphs": cuda_graphs,  # what mode="reduce-overhead" sets, which options cannot join
                **_random_stream(eager_random)}

@@ -39,6 +39,11 @@ def test_tuned_matmuls_take_the_ffns_gelu_and_its_backward_into_their_epilogues(
     assert all(name.startswith("triton_tem_") and "mm" in name for name in matmuls.kernels if "gelu" in name), matmuls
 
 
+def test_the_ffn_check_refuses_what_it_would_ignore():
+    with pytest.raises(UserError, match="--ffn checks the feed-forward block alone, in fp32: drop --layers and --bf16"):
+        interpreted_step.main(["--ffn", "--bf16"])
+
+
 @pytest.mark.parametrize("erf_scale", [1.0, 1.01])
 def test_what_runs_is_inductors_kernel_in_the_interpreter(monkeypatch, erf_scale):
     # The erf of inductor's GELU kernel made 1% off where the interpreter takes it from: the compiled GELU is

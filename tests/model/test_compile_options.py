@@ -7,17 +7,25 @@ What each gains is measured on a GPU (``benchmarks/gpu_acceptance.py``, the pret
 ``train.compile_options``: the rest of inductor's options, checked against the installed torch when the run
 is planned, and handed to both compile modes."""
 
+import typing
+
 import pytest
 import torch
 from torch import nn
 
 from convbert_ds.config import ConfigError, preset
 from convbert_ds.engine.compile_options import OPTIONS_OWNED, inductor_options
-from convbert_ds.formats.train_config import load_config, option_text
-from convbert_ds.model.layers import ConvBertLayer, compile_layers, compile_step, step_inductor_options
+from convbert_ds.formats.train_config import TrainSection, load_config, option_text
+from convbert_ds.model.layers import (AutotuneLevel, ConvBertLayer, compile_layers, compile_step,
+                                     step_inductor_options)
 from launch import REPO
 
-LEVELS = (False, "kernels", "matmuls", True)
+LEVELS = typing.get_args(AutotuneLevel)
+
+
+def test_the_model_takes_the_levels_the_config_declares():
+    assert LEVELS == typing.get_args(typing.get_type_hints(TrainSection)["compile_autotune"]) == \
+        (False, "kernels", "matmuls", True)
 
 
 @pytest.mark.parametrize("autotune", LEVELS)

@@ -32,6 +32,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +47,9 @@ from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa:
 from convbert_ds.engine.compile_options import inductor_options  # noqa: E402
 from convbert_ds.errors import UserError  # noqa: E402
 from convbert_ds.formats.train_config import load_config, option_text  # noqa: E402
+
+if TYPE_CHECKING:  # the model is imported where it runs, after _require_the_interpreter
+    from convbert_ds.model.layers import AutotuneLevel
 
 SEQ, VOCAB = 32, 128  # the head's softmax over the vocabulary was a third of the interpreter's time at 1,000
 # The keys' biases have a true gradient of zero (the softmax ignores a shift of every score of a query alike):
@@ -118,7 +122,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_step(options: dict, layers: int = 1, bf16: bool = False, worst: int = 5,
-               autotune: bool | str = False) -> StepCheck:
+               autotune: AutotuneLevel = False) -> StepCheck:
     """One training step of the tiny model, eager and then compiled (``compile_step``, inductor's ``options``,
     checked, and ``train.compile_autotune``'s level) with the GPU's kernels interpreted, from the same weights
     and draws; each gradient's relative error against eager's (``worst``: how many of the largest are kept).
@@ -176,7 +180,7 @@ class FfnCheck:
     worst: float  # the largest relative error of a gradient (the input's, each weight's) against eager's
 
 
-def check_ffn(autotune: bool | str, options: dict | None = None) -> FfnCheck:
+def check_ffn(autotune: AutotuneLevel, options: dict | None = None) -> FfnCheck:
     """The tiny model's feed-forward block alone (``ConvBertIntermediate``: matmul, GELU; ``ConvBertOutput``:
     matmul, residual, LayerNorm), in eval mode (no dropout), compiled at ``train.compile_autotune``'s level
     (and inductor's ``options``, checked) with the GPU's kernels interpreted; the matmul templates chosen
@@ -248,36 +252,40 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(None, ["train.compile_mode=step", f"train.compile_autotune={args.autotune}",
                              *(f"train.compile_options.{text}" for text in args.option)])
     options = inductor_options(cfg)
+    given = "".join(f", inductor {option_text(k, v)}" for k, v in options.items())
     if args.ffn:
-        _print_ffn(check_ffn(cfg.train.compile_autotune, options), args.autotune, tolerance)
+        _print_ffn(check_ffn(cfg.train.compile_autotune, options), f"train.compile_autotune={args.autotune}{given}",
+                   tolerance)
         return
     check = check_step(options, args.layers, args.bf16, autotune=cfg.train.compile_autotune)
     precision = "bf16 autocast" if args.bf16 else "fp32"
+    level = f", train.compile_autotune={args.autotune}" if cfg.train.compile_autotune else ""
     print(f"the tiny step (1 x {SEQ}, {args.layers} layer(s) a body, {precision}), inductor's GPU kernels in Triton's "
-          f"interpreter{f', train.compile_autotune={args.autotune}' if cfg.train.compile_autotune else ''}"
-          f"{''.join(f', inductor {option_text(k, v)}' for k, v in options.items())} | "
-          f"torch {torch.__version__}")
+          f"interpreter{level}{given} | torch {torch.__version__}")
     print(f"kernels launched: {check.launches:,}; first call {check.seconds:.0f} s (compile and interpreter)")
     print(f"loss: eager {check.eager_loss:.8f}, compiled {check.compiled_loss:.8f}")
     print(f"largest relative gradient errors against eager ({check.compared} parameters compared):")
     for error, name in check.worst:
         print(f"  {error:9.2e}  {name}")
-    off = (check.worst[0][0] > tolerance
-           or abs(check.compiled_loss - check.eager_loss) > loss_tolerance * abs(check.eager_loss))
-    print(f"{'FAILED' if off else 'passed'}: tolerance {tolerance:g} a gradient, {loss_tolerance:g} the loss")
-    if off:
-        raise SystemExit(1)
+    _verdict(check.worst[0][0] > tolerance
+             or abs(check.compiled_loss - check.eager_loss) > loss_tolerance * abs(check.eager_loss),
+             f"tolerance {tolerance:g} a gradient, {loss_tolerance:g} the loss")
 
 
-def _print_ffn(check: FfnCheck, level: str, tolerance: float) -> None:
-    print(f"the tiny model's feed-forward block ({FFN_ROWS} rows, fp32, eval), train.compile_autotune={level}, "
+def _print_ffn(check: FfnCheck, setting: str, tolerance: float) -> None:
+    """``setting``: the level, then any of inductor's options given, as the header says them."""
+    print(f"the tiny model's feed-forward block ({FFN_ROWS} rows, fp32, eval), {setting}, "
           f"inductor's GPU kernels in Triton's interpreter | torch {torch.__version__}")
     print(f"kernels its step runs ({len(check.kernels)}):")
     for name in check.kernels:
         print(f"  {name}")
-    off = check.worst > tolerance
     print(f"largest relative gradient error against eager: {check.worst:.2e}")
-    print(f"{'FAILED' if off else 'passed'}: tolerance {tolerance:g}")
+    _verdict(check.worst > tolerance, f"tolerance {tolerance:g}")
+
+
+def _verdict(off: bool, tolerances: str) -> None:
+    """The last line either check prints; off a tolerance, exit 1."""
+    print(f"{'FAILED' if off else 'passed'}: {tolerances}")
     if off:
         raise SystemExit(1)
 

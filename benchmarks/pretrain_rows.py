@@ -12,11 +12,14 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from benchmarks.limited_run import LimitedRun, where_it_stopped
 from convbert_ds.formats.train_config import option_text
 from convbert_ds.fsutil import file_name_part
+
+if TYPE_CHECKING:  # the rows are built and named without torch
+    from convbert_ds.model.layers import AutotuneLevel
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class PretrainRun:
     cuda_graphs: str = "inductor"  # train.cuda_graphs: inductor, capture (by hand) or off
     profile: bool = False  # after the timed steps, PROFILED_STEPS more, profiled (not in the medians)
     layers_once: bool = False  # train.compile_layers_once (step only): one compiled layer per width, reused
-    autotune: bool | str = False  # train.compile_autotune (step only): "kernels" tunes the fused kernels,
+    autotune: AutotuneLevel = False  # train.compile_autotune (step only): "kernels" tunes the fused kernels,
     # "matmuls" times Triton matmul templates (epilogues fused) against cuBLAS, True is inductor's max-autotune, both
     residual: str = "fp32"  # model.overrides.residual_dtype: "autocast" (the paper configs') keeps it in bf16
     random: str = "eager"  # train.compile_random: "inductor" draws dropout and sampling in inductor's kernels

@@ -186,6 +186,18 @@ def test_every_gpu_rows_overrides_load_and_name_inductor_options_that_exist(tmp_
     assert any(spec.options for spec in GPU_RUNS if spec not in references)
 
 
+def test_the_tables_name_each_compile_autotune_level_once():
+    """A level the model takes but the tables cannot name would fail on the lent machine, as its row starts."""
+    import typing
+
+    from benchmarks.pretrain_rows import AUTOTUNE_LABELS
+    from convbert_ds.model.layers import AutotuneLevel
+
+    assert list(AUTOTUNE_LABELS) == list(typing.get_args(AutotuneLevel))
+    named = [label for level, label in AUTOTUNE_LABELS.items() if level is not False]
+    assert all(named) and len(set(named)) == len(named) and AUTOTUNE_LABELS[False] == "", AUTOTUNE_LABELS
+
+
 def test_a_command_stopped_at_its_limit_says_where_it_was_and_leaves_nothing_running(tmp_path):
     """A row that hangs or compiles past its limit: its log holds the main thread's Python stack (the
     acceptance prints it beside the table), and every process under it goes, also one in a session of its

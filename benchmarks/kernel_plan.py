@@ -102,7 +102,7 @@ def _stand_in_attention(query, key, value, attn_mask=None, dropout_p=0.0, **_):
     return attention(query, key, value, attn_mask, dropout_p)
 
 
-def _as_on_a_gpu():
+def as_on_a_gpu():
     """What the model does on CUDA, on CPU tensors: ``sdconv_impl: auto`` picks the SDConv's Triton custom ops
     (``sdconv_as_on_cuda``), whose launches return zeros here, and attention is ``_stand_in_attention``."""
     from convbert_ds.kernels import sdconv_triton
@@ -188,6 +188,28 @@ def _count_reached_bytes(count_bytes):
     return counted
 
 
+def step_model_and_inputs(preset: str, batch: int, seq: int, overrides: dict, vocab: int = VOCAB) -> tuple:
+    """The ELECTRA model the plan compiles (``overrides``: of its config; the SDConv as on a GPU, the residual
+    stream in bf16, as the paper configs run it) and a batch of random tokens, each sample packed from three
+    documents: ``(model, inputs)``."""
+    from convbert_ds.model import ElectraForPretraining
+
+    config = electra_config_for(preset, vocab, SPECIAL_IDS, max_position_embeddings=max(512, seq),
+                                **{"sdconv_impl": "auto", "residual_dtype": "autocast", **overrides})
+    torch.manual_seed(0)
+    model = ElectraForPretraining(config)
+    ids = torch.randint(5, vocab, (batch, seq))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids),
+                  document_ids=three_documents_per_sample(batch, seq, ids.device))
+    return model, inputs
+
+
+def step_forward(model, inputs: dict) -> torch.Tensor:
+    """The step's loss, under bf16 autocast (CPU's: the GPU's casts but for a few ops, see the module's doc)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(**inputs, check=False).loss
+
+
 def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict, instructions: bool = False,
               eager_random: bool = True) -> list[tuple[str, str, float, float]]:
     """``(kind, name, MB, warp instructions)`` of every kernel and extern op of one compiled step's forward
@@ -200,23 +222,14 @@ def plan_step(preset: str, batch: int, seq: int, overrides: dict, options: dict,
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.utils import get_fused_kernel_name
 
-    from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.layers import compile_step
 
-    config = electra_config_for(preset, VOCAB, SPECIAL_IDS, max_position_embeddings=max(512, seq),
-                                **{"sdconv_impl": "auto", "residual_dtype": "autocast", **overrides})
-    torch.manual_seed(0)
-    model = ElectraForPretraining(config)
-    ids = torch.randint(5, VOCAB, (batch, seq))
-    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids),
-                  document_ids=three_documents_per_sample(batch, seq, ids.device))
-    patches = (*_as_on_a_gpu(), (GraphLowering, "count_bytes", _count_reached_bytes(GraphLowering.count_bytes)))
+    model, inputs = step_model_and_inputs(preset, batch, seq, overrides)
+    patches = (*as_on_a_gpu(), (GraphLowering, "count_bytes", _count_reached_bytes(GraphLowering.count_bytes)))
     with attributes_set(patches), gpu_kernels_on_cpu(), inductor_metrics_counted() as metrics, \
             launches_recorded() as launches:
         compile_step(model, cuda_graphs=False, eager_random=eager_random, options=options)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(**inputs, check=False).loss
-        loss.backward()
+        step_forward(model, inputs).backward()
     issued: dict[str, float] = defaultdict(float)
     for launch in launches if instructions else ():
         issued[launch.fused_name] += warp_instructions(launch)

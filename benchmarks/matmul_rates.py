@@ -44,13 +44,14 @@ from benchmarks.kernel_plan import VOCAB, as_on_a_gpu, step_forward, step_model_
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.config import PRESET_NAMES  # noqa: E402
 from convbert_ds.engine.compile_options import inductor_options  # noqa: E402
+from convbert_ds.engine.flops import PEAK_TFLOPS  # noqa: E402
 from convbert_ds.engine.profiling import kernel_kind  # noqa: E402
 from convbert_ds.errors import UserError  # noqa: E402
 from convbert_ds.formats.train_config import load_config, option_text  # noqa: E402
 
 GRAPHS = ("forward", "backward")  # what the capture records for one micro-batch a step, in replay order
 EXTERN_MATMULS = ("mm", "addmm", "bias_addmm", "bmm", "baddbmm")  # inductor's extern kernels that are matmuls
-H200_DENSE_BF16_TFLOPS = 989.0  # the peak MFU is reckoned against (convbert_ds/engine/flops.py)
+H200_PEAK_TFLOPS = PEAK_TFLOPS["H200"]  # the dense bf16 peak MFU is reckoned against
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def paired_lines(recorded: dict[str, list[Matmul]], traced: dict[str, list[tuple
                      f"{flops / us / 1e6:>9.0f}")
     lines.append(f"  {'both':<10}{sum(map(len, recorded.values())):>8}{totals[0] / 1e12:>9.2f}{totals[1] / 1e3:>9.2f}"
                  f"{totals[0] / totals[1] / 1e6:>9.0f}   ({totals[1] / 1e3:.2f} ms a step; at "
-                 f"{H200_DENSE_BF16_TFLOPS:g} TFLOP/s, the peak: {totals[0] / H200_DENSE_BF16_TFLOPS / 1e9:.2f} ms)")
+                 f"{H200_PEAK_TFLOPS:g} TFLOP/s, the peak: {totals[0] / H200_PEAK_TFLOPS / 1e9:.2f} ms)")
     for graph in GRAPHS:
         by_shape: dict[tuple, list] = defaultdict(lambda: [0, 0.0, 0.0, set()])
         for matmul, (kernel, us) in zip(recorded[graph], traced[graph]):
@@ -171,10 +172,12 @@ def paired_lines(recorded: dict[str, list[Matmul]], traced: dict[str, list[tuple
             row[1] += scale * matmul.flops
             row[2] += us
             row[3].add(kernel)
-        mixed = sum(len(row[3]) > 1 for row in by_shape.values())
+        mixed = [f"{op} {' x '.join(map(str, shape))} as {len(row[3])}" for (op, shape), row in by_shape.items()
+                 if len(row[3]) > 1]
         if mixed:
-            lines.append(f"{graph}: {mixed} of its {len(by_shape)} shapes ran as more than one kernel, so its "
-                         "matmuls ran in another order than the CPU's: its total only (above)")
+            lines.append(f"{graph}: {len(mixed)} of its {len(by_shape)} shapes ran as more than one kernel "
+                         f"({', '.join(mixed[:3])}{', ...' if len(mixed) > 3 else ''}), so its matmuls ran in "
+                         "another order than the CPU's: its total only (above)")
             continue
         lines.append(f"{graph}, shape by shape (M x K x N as recorded at batch {record_batch}; TFLOP and ms summed "
                      "over the calls):")

@@ -28,8 +28,6 @@ Only cuBLAS's kernels are read as matmuls. Where inductor ran some as Triton tem
 
 from __future__ import annotations
 
-import gzip
-import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -45,7 +43,7 @@ from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa:
 from convbert_ds.config import PRESET_NAMES  # noqa: E402
 from convbert_ds.engine.compile_options import inductor_options  # noqa: E402
 from convbert_ds.engine.flops import PEAK_TFLOPS  # noqa: E402
-from convbert_ds.engine.profiling import kernel_kind  # noqa: E402
+from convbert_ds.engine.profiling import MATMULS, kernel_kind, trace_json_events  # noqa: E402
 from convbert_ds.errors import UserError  # noqa: E402
 from convbert_ds.formats.train_config import load_config, option_text  # noqa: E402
 
@@ -101,13 +99,7 @@ def recorded_matmuls(preset: str, batch: int, seq: int, vocab: int, overrides: d
 def traced_matmul_kernels(path: Path) -> dict[str, list[tuple[str, float]]]:
     """The cuBLAS kernels of each graph of the captured step in ``path`` (``(name, us)``, in launch order), the
     time of a split-K GEMM's reduction kernel added to its GEMM's, each averaged over the traced steps."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt") as file:
-            events = json.load(file)["traceEvents"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"{path}: not a readable profiler trace ({error}); pass the .pt.trace.json (or .gz) "
-                        "that train.profile wrote under log.dir/profile/") from None
+    events = trace_json_events(path)
     launches = {e["args"]["correlation"] for e in events
                 if e.get("cat") == "cuda_runtime" and e.get("name") == "cudaGraphLaunch"}
     per_launch: dict[int, list[dict]] = defaultdict(list)
@@ -134,7 +126,7 @@ def _matmul_kernels(replay: list[dict]) -> list[tuple[str, float]]:
     found: list[list] = []
     for e in replay:
         name = e["name"]
-        if kernel_kind(name) != "matmuls (cuBLAS)":
+        if kernel_kind(name) != MATMULS:
             continue
         if "splitkreduce" in name.lower() and found:
             found[-1][1] += e["dur"]  # the reduction that ends a split-K GEMM

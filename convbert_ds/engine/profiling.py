@@ -123,10 +123,11 @@ def _synchronized_clock() -> float:
 # What a kernel is, from its name (lower-cased substrings; the first kind that matches), for the summary's
 # breakdown of the device's time: which kind of work a cut must come from.
 FUSED = "inductor's fused kernels"
+MATMULS = "matmuls (cuBLAS)"
 KERNEL_KINDS = (
     (FUSED, ("triton_",)),  # inductor names its kernels triton_{poi,red,per}_...
     ("our Triton kernels (SDConv, packed conv)", ("_sdconv_", "_document_conv_")),
-    ("matmuls (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")),
+    (MATMULS, ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")),
     # cuDNN's attention runs helper kernels of its own beside its flash kernels: the backward's dot(dO, O), its
     # dQ's cast, the unpacking of its dropout seed.
     ("attention", ("flash", "fmha", "attention", "cudnn::fusion", "unpack_cudnn")),
@@ -237,6 +238,19 @@ _HOST_CATEGORIES = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"}
 _READ_CATEGORIES = _DEVICE_CATEGORIES | _HOST_CATEGORIES | {"gpu_user_annotation"}  # the last: ranges mirrored
 
 
+def trace_json_events(path: Path) -> list[dict]:
+    """The raw events of a ``.pt.trace.json`` (or ``.json.gz``) as torch's profiler writes them (the Chrome
+    trace format's ``traceEvents``; none where the file has none)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt") as file:
+            trace = json.load(file)
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path}: not a readable profiler trace ({error}); pass the .pt.trace.json (or .gz) "
+                        "that train.profile wrote under log.dir/profile/") from None
+    return trace.get("traceEvents", []) if isinstance(trace, dict) else []
+
+
 def trace_file_events(path: Path) -> tuple[torch.autograd.profiler_util.EventList, int, float]:
     """A ``.pt.trace.json`` (or ``.json.gz``) that ``train.profile`` wrote, read back as the profiler's own
     events, for ``device_time_summary``: ``(events, steps, wall_s)``. Steps are its ``train step N`` ranges;
@@ -244,15 +258,8 @@ def trace_file_events(path: Path) -> tuple[torch.autograd.profiler_util.EventLis
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import EventList, FunctionEvent
 
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt") as file:
-            trace = json.load(file)
-    except (OSError, ValueError) as error:
-        raise UserError(f"{path}: not a readable profiler trace ({error}); pass the .pt.trace.json (or .gz) "
-                         "that train.profile wrote under log.dir/profile/") from None
     events, step_starts, last_end = [], [], 0.0
-    for raw in trace.get("traceEvents", []) if isinstance(trace, dict) else []:
+    for raw in trace_json_events(path):
         category = raw.get("cat")
         if raw.get("ph") != "X" or category not in _READ_CATEGORIES:
             continue

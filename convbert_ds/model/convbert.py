@@ -138,6 +138,33 @@ class ConvBertGeneratorPredictions(nn.Module):
         return self.LayerNorm(nn.functional.gelu(self.dense(hidden_states)))
 
 
+def vocabulary_logits(hidden_states: torch.Tensor, table: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The tied output layer, ``hidden_states @ table.T + bias`` (``[..., E]`` -> ``[..., V]``). Eagerly one
+    ``addmm``; compiled, a matmul and then the bias, added in the matmul's dtype (``addmm``'s under autocast).
+
+    Why two ways: CUDA's ``addmm`` adds a bias in cuBLASLt's epilogue only into a contiguous output, and
+    inductor (outside max-autotune) pads the row stride of an output this wide to 128 bytes (rows of 30,166
+    bf16 logits are stored 30,208 apart). A compiled ``addmm`` then copies the bias, broadcast, into the whole
+    ``[rows, V]`` output and runs a GEMM that adds to it (on an H200: cuBLAS's ``badd`` kernel after a copy of
+    0.24 ms a step, benchmarks/RESULTS.md). A plain matmul writes the padded rows without a copy, and inductor
+    fuses the add into the kernels that read the logits (the loss, the sample). Its pattern that folds an add
+    on an ``mm`` back into ``addmm`` does not match the add on the ``[B, P, V]`` view the model's rows give.
+    Eagerly the output is contiguous, the epilogue adds the bias, and an add of its own would be one more
+    pass (and other values in bf16)."""
+    if not torch.compiler.is_compiling():
+        return nn.functional.linear(hidden_states, table, bias)
+    logits = nn.functional.linear(hidden_states, table)
+    return logits + bias.to(logits.dtype)
+
+
+class VocabularyOutput(nn.Linear):
+    """``nn.Linear`` (its parameters, names and hooks: ZeRO-3 gathers them as for any module) computed as
+    ``vocabulary_logits``."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return vocabulary_logits(hidden_states, self.weight, self.bias)
+
+
 class ConvBertForMaskedLM(HFInterop, nn.Module):
     """Body + MLM head whose output matrix is the word-embedding table (tied). Returns logits ``[B, T, V]``."""
 
@@ -151,7 +178,7 @@ class ConvBertForMaskedLM(HFInterop, nn.Module):
         # ``body``: an existing encoder to share whole (ELECTRA's "tie all weights"), else a new one.
         self.convbert = body if body is not None else ConvBertModel(config, embeddings)
         self.generator_predictions = ConvBertGeneratorPredictions(config)
-        self.generator_lm_head = nn.Linear(config.embedding_size, config.vocab_size)
+        self.generator_lm_head = VocabularyOutput(config.embedding_size, config.vocab_size)
         init_weights(self.generator_predictions.dense, config.initializer_range)
         self.generator_lm_head.bias.data.zero_()
         self.generator_lm_head.weight = self.convbert.embeddings.word_embeddings.weight

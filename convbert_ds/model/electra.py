@@ -133,7 +133,9 @@ def predictions_per_sequence(config: ElectraConfig, seq_len: int) -> float:
 def gumbel_sample(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """One token per row from softmax(logits / temperature), via the Gumbel-max trick; no gradient."""
     with torch.no_grad():
-        uniform = torch.rand_like(logits, dtype=torch.float32)
+        # Drawn by shape (as ``rand_like`` would, the same numbers): ``rand_like`` of a fused value makes a compiled
+        # step with torch's own draws store the logits only to hand that op a tensor to copy the shape of.
+        uniform = torch.rand(logits.shape, dtype=torch.float32, device=logits.device)
         gumbel = -torch.log((-torch.log(uniform.clamp_min(1e-9))).clamp_min(1e-9))
         return (logits.float() / temperature + gumbel).argmax(dim=-1)
 

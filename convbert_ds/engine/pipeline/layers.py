@@ -25,11 +25,11 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from convbert_ds.config import ElectraConfig, ModelConfig
-from convbert_ds.model.convbert import ConvBertDiscriminatorPredictions, ConvBertGeneratorPredictions
+from convbert_ds.model.convbert import (ConvBertDiscriminatorPredictions, ConvBertGeneratorPredictions,
+                                       vocabulary_logits)
 from convbert_ds.model.electra import corrupt, mask_tokens, masked_positions, mlm_loss_and_sample
 from convbert_ds.model.layers import ConvBertEmbeddings, ConvBertLayer, document_positions, init_weights, padding_masks
 
@@ -254,7 +254,7 @@ def generator_output_forward(embeddings: SharedEmbeddings, inputs, config: Elect
     mask_tokens(s.input_ids, s.attention_mask, config, generator=stream)  # replay: on to the Gumbel draws
     # The ``head`` that mlm_loss_and_sample calls: transformed hidden states -> logits over the shared table.
     table = embeddings.word_embeddings.weight
-    tied_output = SimpleNamespace(head=lambda transformed: F.linear(transformed, table, s.lm_bias))
+    tied_output = SimpleNamespace(head=lambda transformed: vocabulary_logits(transformed, table, s.lm_bias))
     positions, chosen = masked_positions(s.mlm_labels, config)
     with _global_rng_at(stream):
         mlm, accuracy, sampled = mlm_loss_and_sample(tied_output, s.transformed, s.input_ids, positions, chosen,

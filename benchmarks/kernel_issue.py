@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from convbert_ds.errors import UserError
 
 H200_SMS, SCHEDULERS_PER_SM, H200_CLOCK_GHZ = 132, 4, 1.98  # warp instructions a clock: SMs x schedulers
 H200_PEAK_TBPS = 4.8  # its HBM3e, by the data sheet
@@ -97,6 +100,14 @@ def _compile(kernel, config, arch: int) -> str:
                                 meta["configs"][0] if meta.get("configs") else {}, config, arch,
                                 enable_fp_fusion=meta.get("enable_fp_fusion", True))
     return cuobjdump(compiled.asm["cubin"], "-sass")
+
+
+def refuse_interpreter(command: str) -> None:
+    """A ``UserError`` naming ``command`` when ``TRITON_INTERPRET`` is set: Triton's interpreter, set before Triton
+    is imported, replaces the library of functions its compiler needs, so nothing here can compile for a GPU."""
+    if os.environ.get("TRITON_INTERPRET"):
+        raise UserError("TRITON_INTERPRET is set, and Triton cannot compile kernels for a GPU under its interpreter: "
+                        f"run without it (env -u TRITON_INTERPRET python {command})")
 
 
 def compile_for_arch(fn, signature: dict, constants: dict, attrs: dict, config, arch: int, **options):

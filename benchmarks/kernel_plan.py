@@ -36,7 +36,6 @@ apart: their time is not a matter of bytes.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -49,13 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench
 
 from benchmarks.document_conv import three_documents_per_sample  # noqa: E402
 from benchmarks.inductor_count import attributes_set, gpu_kernels_on_cpu, inductor_metrics_counted  # noqa: E402
-from benchmarks.kernel_issue import H200_PEAK_TBPS, issue_ms, launches_recorded, warp_instructions  # noqa: E402
+from benchmarks.kernel_issue import (  # noqa: E402
+    H200_PEAK_TBPS, issue_ms, launches_recorded, refuse_interpreter, warp_instructions)
 from benchmarks.train_step import electra_config_for  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.config import PRESET_NAMES  # noqa: E402
 from convbert_ds.engine.compile_options import inductor_options  # noqa: E402
 from convbert_ds.engine.profiling import fused_part  # noqa: E402
-from convbert_ds.errors import UserError  # noqa: E402
 from convbert_ds.formats.train_config import load_config, option_text  # noqa: E402
 
 VOCAB, SPECIAL_IDS = 30522, {"pad": 0, "cls": 2, "sep": 3, "mask": 4}
@@ -347,10 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if len(set(args.batches)) != len(args.batches) or len(args.batches) > 2:
         parser.error(f"--batches takes one or two different sizes, got {args.batches}")
-    if args.instructions and os.environ.get("TRITON_INTERPRET"):
-        raise UserError("--instructions compiles the kernels for a GPU, which Triton cannot do with "
-                        "TRITON_INTERPRET set: run without it (env -u TRITON_INTERPRET python "
-                        "benchmarks/kernel_plan.py --instructions)")
+    if args.instructions:  # it compiles each kernel for a GPU
+        refuse_interpreter("benchmarks/kernel_plan.py --instructions")
     # Read as a run's overrides are, and the options checked as the trainer checks train.compile_options; a
     # model field that does not exist is a ConfigError when the model is built (config.preset).
     cfg = load_config(None, ["train.compile_mode=step", f"train.compile_random={args.random}",

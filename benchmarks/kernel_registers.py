@@ -19,7 +19,6 @@ looped, where the H200's profile gave the 24 calls of a step (generator and disc
 from __future__ import annotations
 
 import math
-import os
 import re
 import sys
 from pathlib import Path
@@ -28,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/kernel_registers.py`
 
-from benchmarks.kernel_issue import compile_for_arch, cuobjdump, instructions_per_thread, issue_ms  # noqa: E402
+from benchmarks.kernel_issue import (  # noqa: E402
+    compile_for_arch, cuobjdump, instructions_per_thread, issue_ms, refuse_interpreter)
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
-from convbert_ds.errors import UserError  # noqa: E402
 
 REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 64, 32  # sm_90 and sm_100 alike
 BASE_HEADS = 6  # ConvBERT-base's conv heads (head_ratio 2): the launches' shape
@@ -97,9 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--at", type=bounded(int, min=1), default=256,
                         help=f"the batch of the issue time (ConvBERT-base's discriminator: {BASE_HEADS} heads)")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET"):
-        raise UserError("TRITON_INTERPRET is set: the kernels would be the interpreter's, with its one "
-                        "configuration; run without it (env -u TRITON_INTERPRET python benchmarks/kernel_registers.py)")
+    refuse_interpreter("benchmarks/kernel_registers.py")
     import triton
 
     print(f"SDConv's kernels compiled for sm_{args.arch} (bf16, head size 64, K = 9, packed documents, seq "

@@ -20,7 +20,6 @@ into two draws: eight a call, keep probabilities to 1/65,536.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -30,10 +29,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/random_issue.py`
 
 from benchmarks.kernel_issue import (  # noqa: E402
-    H200_PEAK_TBPS, compile_for_arch, cuobjdump, instructions_per_thread, issue_ms)
+    H200_PEAK_TBPS, compile_for_arch, cuobjdump, instructions_per_thread, issue_ms, refuse_interpreter)
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.config import PRESET_NAMES, ElectraConfig  # noqa: E402
-from convbert_ds.errors import UserError  # noqa: E402
 
 BLOCK, WARPS = 1024, 4  # calls a program makes, and its warps: a block of 8 calls a thread
 
@@ -83,14 +81,11 @@ DRAWS = (("one of 32 bits a call (inductor's tl.rand)", _one_draw_a_call, 1),
          ("eight of 16 bits a call", _eight_draws_a_call, 8))
 
 
-class _Config:  # what compile_for_arch reads of a triton.Config
-    num_warps, num_stages = WARPS, 1
-
-
 def instructions_per_draw(kernel, draws_a_call: int, arch: int = 90) -> float:
     """Instructions a thread of ``kernel`` issues, over the keep masks it draws (BLOCK calls a program)."""
     signature = {"seed_ptr": "*i64", "out_ptr": "*i8", "n": "i32", "keep": "fp32", "BLOCK": "constexpr"}
-    compiled = compile_for_arch(kernel, signature, {"BLOCK": BLOCK}, {}, _Config, arch)
+    config = triton.Config({}, num_warps=WARPS, num_stages=1)
+    compiled = compile_for_arch(kernel, signature, {"BLOCK": BLOCK}, {}, config, arch)
     per_thread = instructions_per_thread(cuobjdump(compiled.asm["cubin"], "-sass"), 1)
     return per_thread / (BLOCK * draws_a_call / (WARPS * 32))
 
@@ -109,10 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--at", type=bounded(int, min=1), default=256, help="the batch the times are given at")
     parser.add_argument("--arch", type=bounded(int, min=70), default=90, help="compute capability x 10 (90: H100)")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET"):
-        raise UserError("TRITON_INTERPRET is set: Triton's library would be the interpreter's, which cannot be "
-                        "compiled for a GPU; run without it "
-                        "(env -u TRITON_INTERPRET python benchmarks/random_issue.py)")
+    refuse_interpreter("benchmarks/random_issue.py")
     draws = dropout_draws_per_sample(ElectraConfig.from_preset(args.preset), args.seq) * args.at
     mask_ms = draws / (H200_PEAK_TBPS * 1e12) * 1e3  # one byte a keep mask
     print(f"keep masks drawn in Triton kernels compiled for sm_{args.arch} | triton {triton.__version__}")

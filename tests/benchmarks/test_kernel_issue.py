@@ -10,6 +10,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from benchmarks.kernel_issue import refuse_interpreter
+from convbert_ds.errors import UserError
 from launch import REPO
 
 SCRIPT = r"""
@@ -85,3 +89,14 @@ def test_the_plan_gives_each_part_its_issue_time_and_floor(capsys):
     norm = next(line for line in out.splitlines() if line.strip().startswith("LayerNorm"))
     assert float(norm.split()[-1]) == round(0.2 / H200_PEAK_TBPS, 2), norm  # bound by its bytes
     assert "floor ms" in out and "aten.mm.out" in out, out
+
+
+def test_the_scripts_that_compile_for_a_gpu_refuse_the_interpreter_and_name_their_command(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(UserError, match=r"env -u TRITON_INTERPRET python benchmarks/random_issue.py"):
+        refuse_interpreter("benchmarks/random_issue.py")
+    for script in ("random_issue", "kernel_registers"):
+        with pytest.raises(UserError, match=f"benchmarks/{script}.py"):
+            __import__(f"benchmarks.{script}", fromlist=["main"]).main([])
+    monkeypatch.delenv("TRITON_INTERPRET")
+    refuse_interpreter("benchmarks/random_issue.py")  # without it: nothing to refuse

@@ -38,7 +38,7 @@ def test_more_draws_a_philox_call_issue_fewer_instructions_a_draw():
                              "--at", "4"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = [line for line in result.stdout.splitlines() if " a call" in line]
-    one, four, eight = (float(line.split()[-2]) for line in rows)  # instructions a draw
     assert len(rows) == 3, result.stdout
+    one, four, eight = (float(line.split()[-2]) for line in rows)  # instructions a draw
     # Philox's ten rounds are most of a draw: four draws a call cost well under half of one draw a call.
     assert one > 2 * four > 0 and four > eight > 0, result.stdout

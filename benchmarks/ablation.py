@@ -45,13 +45,15 @@ import time
 from pathlib import Path
 
 import torch
-from pretraining_transfer import PROTOCOLS, finetune, pretrain  # the script's own folder is on sys.path
 
-from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
-from convbert_ds.config import PRESET_NAMES, ElectraConfig
-from convbert_ds.engine.flops import training_flops_per_sample
-from convbert_ds.formats.checkpoint.directory import complete_tags, read_trainer_state
-from convbert_ds.quickstart import prepare_data
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/ablation.py` finds its sibling
+
+from benchmarks.pretraining_transfer import PROTOCOLS, finetune, pretrain  # noqa: E402
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
+from convbert_ds.config import PRESET_NAMES, ElectraConfig  # noqa: E402
+from convbert_ds.engine.flops import training_flops_per_sample  # noqa: E402
+from convbert_ds.formats.checkpoint.directory import complete_tags, read_trainer_state  # noqa: E402
+from convbert_ds.quickstart import prepare_data  # noqa: E402
 
 STEPS = 600  # the default budget, measured: see the module docstring
 # ConvBERT as the tiny preset builds it, spelled out so that no row depends on the preset's defaults.

@@ -30,10 +30,12 @@ from pathlib import Path
 
 import torch
 
-from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
-from convbert_ds.config import PRESET_NAMES, ElectraConfig
-from document_conv import three_documents_per_sample  # the script's own folder is on sys.path
-from limited_run import run_group, where_it_stopped
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/compile_time.py` finds common
+
+from benchmarks.common import three_documents_per_sample  # noqa: E402
+from benchmarks.gpu.limited_run import run_group, where_it_stopped  # noqa: E402
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
+from convbert_ds.config import PRESET_NAMES, ElectraConfig  # noqa: E402
 
 # name -> (layers_once, what the variant does with the compile cache file: write it, nothing, or load it)
 VARIANTS = {"unrolled (every layer in the graph)": (False, "write"), "layers once (one per width)": (True, None),

@@ -16,7 +16,7 @@ fp32 on CPU; ``--x-dtype``), the weight ``[C, K]`` in fp32, under bf16 autocast 
 variants on the same inputs in one process; the ratio is each variant's time over the einsum's. The packed
 variants are checked against the einsum first. With ``--compile`` each variant also reports inductor's
 count of the kernels its forward and backward launch and the bytes they move
-(``benchmarks/inductor_count.py``).
+(``compiled_counts`` in ``benchmarks/common.py``).
 """
 
 from __future__ import annotations
@@ -27,21 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/document_conv.py` finds timing
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/document_conv.py` finds common
 
-from benchmarks.inductor_count import compiled_counts  # noqa: E402
-from benchmarks.timing import medians_ms  # noqa: E402
+from benchmarks.common import compiled_counts, medians_ms, three_documents_per_sample  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.model.depthwise import _padded, _shifted_multiply_adds, document_depthwise_conv  # noqa: E402
 from convbert_ds.model.sdconv import same_segment_taps  # noqa: E402
 
 BASELINE = "unfold + einsum (before)"
-
-
-def three_documents_per_sample(batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    """``document_ids`` ``[batch, seq]`` of samples packed from three documents of about a third each (ids 1-3;
-    a remainder of ``seq`` past three thirds is a fourth)."""
-    return (torch.arange(seq, device=device) // max(1, seq // 3) + 1).expand(batch, -1).contiguous()
 
 
 def unfold_einsum(x: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:

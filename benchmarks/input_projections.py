@@ -6,8 +6,8 @@ one, as transformers does and the model did before: forward + backward, same wei
     python benchmarks/input_projections.py --compile   # each layer through torch.compile (the paper configs' path)
     python benchmarks/input_projections.py --preset small --batch 8 --threads 2
 
-What each row prints, and how: ``benchmarks/layer_ab.py``. The ratio is the stacked layer's over the
-separate one's.
+What each row prints, and how: ``compare`` in ``benchmarks/common.py``. The ratio is the stacked layer's
+over the separate one's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/input_projections.py`
 
-from benchmarks.layer_ab import Variant, compare, parse_arguments, ratio_line  # noqa: E402
+from benchmarks.common import Variant, compare, parse_arguments, ratio_line  # noqa: E402
 from convbert_ds.cli import exit_on_user_error  # noqa: E402
 from convbert_ds.config import preset  # noqa: E402
 from convbert_ds.model.layers import ConvBertLayer  # noqa: E402

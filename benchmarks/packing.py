@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/packing.py` finds train_step
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/packing.py` finds common
 
-from benchmarks.train_step import build_shards, electra_config  # noqa: E402
+from benchmarks.common import build_shards, electra_config  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.config import PRESET_NAMES
 

@@ -7,9 +7,9 @@ what the layer before it would hand it (bf16 or fp32).
     python benchmarks/residual_dtype.py             # eager
     python benchmarks/residual_dtype.py --preset small --batch 8 --threads 2
 
-What each row prints, and how: ``benchmarks/layer_ab.py``; on a CPU too the layers run under bf16 autocast.
-The ratio is the bf16 stream's over the fp32 one's. The LayerNorms' statistics are fp32 either way: the
-outputs differ by bf16's rounding of what they write.
+What each row prints, and how: ``compare`` in ``benchmarks/common.py``; on a CPU too the layers run under
+bf16 autocast. The ratio is the bf16 stream's over the fp32 one's. The LayerNorms' statistics are fp32
+either way: the outputs differ by bf16's rounding of what they write.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/residual_dtype.py`
 
-from benchmarks.layer_ab import Variant, compare, parse_arguments, ratio_line  # noqa: E402
+from benchmarks.common import Variant, compare, parse_arguments, ratio_line  # noqa: E402
 from convbert_ds.cli import exit_on_user_error  # noqa: E402
 from convbert_ds.config import preset  # noqa: E402
 from convbert_ds.model.layers import ConvBertLayer  # noqa: E402

@@ -8,8 +8,8 @@ docstrings, tokenizer, shards, packing), steps alternating A B C A B C so machin
 * ``DeepSpeed engine``: our model through ``deepspeed.initialize`` with the DeepSpeed config the trainer
   builds (``engine.plan.build_ds_config`` over ``ds_configs/NAME.json``, precision overridden) and stepped
   as the trainer steps it (``engine/optimizer_step.py``);
-* ``transformers ConvBERT``: transformers' own classes in the same plain loop (``benchmarks/hf_electra.py``),
-  same sizes, same starting weights, same masks.
+* ``transformers ConvBERT``: transformers' own classes in the same plain loop (``HFElectra``, in
+  ``benchmarks/common.py``), same sizes, same starting weights, same masks.
 
 Prints median step time, samples/s, TFLOP/s and MFU per row (FLOPs of the model, the same for all rows),
 the ratios of the medians, then the ops (about one kernel launch each) and host-device syncs of one more
@@ -49,24 +49,15 @@ import torch
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.config import PRESET_NAMES
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/train_step.py` finds hf_electra
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/train_step.py` finds common
+
+from benchmarks.common import HFElectra, build_shards, compile_hf_layers, electra_config  # noqa: E402
 
 PLAIN, ENGINE, HF = "plain PyTorch", "DeepSpeed engine", "transformers ConvBERT"
 ROW_NAMES = {"plain": PLAIN, "engine": ENGINE, "transformers": HF}  # --rows
 # --ds-config: the files a plain (not pipelined) engine runs
 ENGINE_DS_CONFIGS = sorted(path.stem for path in (Path(__file__).resolve().parent.parent / "ds_configs").glob("*.json")
                            if not path.stem.startswith("pipeline"))
-
-
-def build_shards(work: Path, vocab_size: int) -> Path:
-    from convbert_ds.data.builtin_corpus import write_corpus
-    from preprocessing.shard import shard_corpus
-    from preprocessing.tokenizer import train_tokenizer
-
-    corpus = write_corpus(work / "corpus.txt")
-    tokenizer = train_tokenizer([str(corpus)], str(work / "tokenizer"), vocab_size=vocab_size)
-    shard_corpus([str(corpus)], str(tokenizer), str(work / "shards"), workers=1)
-    return work / "shards"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -141,24 +132,6 @@ def trainer_ds_config(args: argparse.Namespace, steps: int):
         "deepspeed": {"config": f"ds_configs/{args.ds_config}.json"}})
     ds = build_ds_config(cfg, load_ds_config(cfg), args.batch, 1, args.precision)
     return ds, trainer_clip_norm(cfg, ds), cfg.train
-
-
-def electra_config(preset: str, split):
-    """The model for ``preset``, sized to the shards' tokenizer (as ``engine.plan`` sizes it)."""
-    return electra_config_for(preset, split.vocab_size, split.special_ids)
-
-
-def electra_config_for(preset: str, vocab_size: int, ids: dict, max_position_embeddings: int = 512,
-                       **body_overrides):
-    """The model for ``preset`` over a vocabulary of ``vocab_size`` whose special tokens are ``ids`` (pad, cls,
-    sep, mask); ``body_overrides`` go to the body's preset (e.g. ``sdconv_impl``)."""
-    from convbert_ds.config import ElectraConfig, generator_config, preset_generator_multiplier
-    from convbert_ds.config import preset as body_preset
-
-    body = body_preset(preset, vocab_size=vocab_size, pad_token_id=ids["pad"],
-                       max_position_embeddings=max_position_embeddings, **body_overrides)
-    return ElectraConfig(discriminator=body, generator=generator_config(body, preset_generator_multiplier(preset)),
-                         mask_token_id=ids["mask"], special_token_ids=(ids["pad"], ids["cls"], ids["sep"]))
 
 
 def adamw(params, train) -> tuple[torch.optim.Optimizer, bool]:
@@ -370,7 +343,6 @@ def main(argv: list[str] | None = None) -> None:
 
     import deepspeed
 
-    from benchmarks.hf_electra import HFElectra, compile_hf_layers
     from convbert_ds.data.loader import build_dataloader
     from convbert_ds.data.shards import open_split
     from convbert_ds.engine.distributed import init_process_group

@@ -27,19 +27,17 @@ from convbert_ds.cli import exit_on_user_error
 from launch import REPO
 from test_cli_fuzz import CLIS, FUZZ, REQUIRED, _stderr_lines, call
 
-# The commands beyond the CLIs of test_cli_fuzz: the data builders and the benchmarks users run, with the
-# arguments they require (never opened: the parser refuses the bad value first).
-MORE = {
-    "convbert_ds.data.builtin_corpus": ["--out", "o"], "convbert_ds.data.transfer_task": [],
-    "benchmarks.ablation": [], "benchmarks.compile_time": [], "benchmarks.convert": [],
-    "benchmarks.document_conv": [], "benchmarks.gpu_acceptance": [],
-    "benchmarks.hf_finetune_check": ["--model", "m", "--task-dir", "t"], "benchmarks.input_projections": [],
-    "benchmarks.model_cpu": [], "benchmarks.packing": [], "benchmarks.preprocess": [],
-    "benchmarks.pretraining_transfer": [], "benchmarks.reshape": [], "benchmarks.residual_dtype": [], "benchmarks.sdconv": [], "benchmarks.trace_summary": ["t.json"],
-    "benchmarks.train_step": [],
-}
+# Every benchmark script (a file under benchmarks/ that runs as a program: the user benchmarks, the GPU
+# acceptance, the analysis tools), found, so one added later is covered too; the arguments those that need
+# any require (never opened: the parser refuses the bad value first).
+BENCHMARKS = sorted(".".join(path.relative_to(REPO).with_suffix("").parts)
+                    for path in (REPO / "benchmarks").rglob("*.py") if 'if __name__ == "__main__":' in path.read_text())
+BENCHMARK_ARGS = {"benchmarks.hf_finetune_check": ["--model", "m", "--task-dir", "t"],
+                  "benchmarks.analysis.trace_summary": ["t.json"]}
+# The commands beyond the CLIs of test_cli_fuzz: the data builders and the benchmarks.
+MORE = {"convbert_ds.data.builtin_corpus": ["--out", "o"], "convbert_ds.data.transfer_task": [],
+        **{module: BENCHMARK_ARGS.get(module, []) for module in BENCHMARKS}}
 COMMANDS = sorted([*CLIS, *MORE])
-sys.path.append(str(REPO / "benchmarks"))  # as `python benchmarks/X.py` has it: scripts import each other by name
 
 
 class _Parsed(BaseException):
@@ -111,6 +109,15 @@ def _refused_in_one_line(module: str, first: list[str], action: argparse.Action,
     if code == 2 and len(err) == 1 and option in err[0]:
         return None
     return f"{module} {option}={value!r}: exit {code}, stderr {err}"
+
+
+def test_every_benchmark_script_is_found():
+    """The user benchmarks at benchmarks/ (``common`` is shared code), the GPU acceptance and the analysis tools
+    that take a command line."""
+    top = [module for module in BENCHMARKS if module.count(".") == 1]
+    assert len(top) == 14 and "benchmarks.common" not in top, top
+    assert {"benchmarks.gpu.acceptance", "benchmarks.analysis.interpreted_step", "benchmarks.analysis.trace_summary",
+            "benchmarks.analysis.step_ops", "benchmarks.analysis.flop_count"} <= set(BENCHMARKS), BENCHMARKS
 
 
 def test_every_number_option_declares_its_range():

@@ -22,7 +22,7 @@ tests/engine/test_flops.py checks this count against torch's FlopCounterMode
 over a real forward and backward. That counter drops a grouped convolution's
 groups in its weight gradient: it counts the depthwise conv's weight gradient
 768 times over in ConvBERT-base, about 18 GFLOP a sample that nobody computes
-(``python benchmarks/flop_count.py``).
+(``python benchmarks/analysis/flop_count.py``).
 """
 
 from __future__ import annotations

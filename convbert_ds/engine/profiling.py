@@ -11,7 +11,7 @@ What each kind writes, per rank, under ``log.dir/profile/``:
   kernels, copies and casts, the optimizer...; inductor's split further by the part of the layer each
   fuses: the packed conv, GELU, LayerNorm and dropout; ``device_time_summary``); rank 0 also prints it,
   so a run says whether it is bound by the host or the device without opening a trace.
-  ``python benchmarks/trace_summary.py TRACE --top N`` prints the same summary from a trace file later,
+  ``python benchmarks/analysis/trace_summary.py TRACE --top N`` prints the same summary from a trace file later,
   on any machine, as long as you like (``trace_file_events``).
 - ``memory``: a CUDA memory snapshot (every allocation of the window with its stack),
   ``memory_rank{R}.pickle``, for https://pytorch.org/memory_viz.

@@ -163,13 +163,13 @@ class TrainSection:
         "matmul timed as Triton templates, the elementwise kernel after it fused in as their epilogue, against "
         "cuBLAS (the fused kernels keep their heuristic block sizes); true = inductor's max-autotune, both; "
         "minutes more of compiling at the first step; off until a GPU shows one pays "
-        "(benchmarks/gpu_acceptance.py)")] = False
+        "(benchmarks/gpu/acceptance.py)")] = False
     compile_random: Annotated[Literal["eager", "inductor"], Key(
         "with train.compile on: who draws dropout, masking and sampling inside compiled code: eager = torch's "
         "generator, the same draws as eager (a compiled run follows the eager one; each dropout is an aten kernel "
         "of its own); inductor = inductor's own Philox stream inside its fused kernels (other draws than eager's, "
         "seeded from torch's generator, whose state checkpoints keep); eager until a GPU shows inductor pays "
-        "(benchmarks/gpu_acceptance.py)")] = "eager"
+        "(benchmarks/gpu/acceptance.py)")] = "eager"
     compile_options: Annotated[dict, Key(
         "with train.compile on: more of inductor's options for the compiled code, by torch._inductor.config's "
         "names, e.g. {combo_kernels: true} or train.compile_options.combo_kernels=true (nested names such as "

@@ -58,9 +58,10 @@ def _configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_T": 16, "UNROLL_TAPS": True}, num_warps=4)]
     # Each block shape with the K taps unrolled, their loads issued together (8 or 16 tile elements per thread
     # at BLOCK_D = 64: larger tiles spill registers on sm_90), and in a loop. For sm_90 (K = 9, the backward at
-    # BLOCK_T 16 x 4 warps) the unrolled kernel takes 161 registers, 3 programs an SM, the loop 64 and 8
-    # (benchmarks/kernel_registers.py). Unrolled, the backward moved its bytes at about 0.7 TB/s in the base
-    # step on an H200; which one is faster is the tuner's to time.
+    # BLOCK_T 16 x 4 warps) the unrolled kernel takes 161 registers, 3 programs an SM, the loop 64 and 8 (read
+    # from the cubins Triton's compiler builds, as tests/kernels/test_kernels_compile.py builds them). Unrolled,
+    # the backward moved its bytes at about 0.7 TB/s in the base step on an H200; which one is faster is the
+    # tuner's to time.
     return [triton.Config({"BLOCK_T": block_t, "UNROLL_TAPS": unrolled}, num_warps=warps)
             for block_t, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 8), (64, 16)) for unrolled in (True, False)]
 

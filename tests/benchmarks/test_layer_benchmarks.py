@@ -1,6 +1,6 @@
-"""The layer benchmarks compiled (``benchmarks/layer_ab.py``), end to end at the tiny preset: inductor's own
-count of each variant's kernels and bytes comes back, from a fresh compile (its on-disk caches would bring
-back the byte total but not the kernels)."""
+"""The layer benchmarks compiled (``compare`` in ``benchmarks/common.py``), end to end at the tiny preset:
+inductor's own count of each variant's kernels and bytes comes back, from a fresh compile (its on-disk caches
+would bring back the byte total but not the kernels)."""
 
 from __future__ import annotations
 

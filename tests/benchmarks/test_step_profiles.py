@@ -1,5 +1,5 @@
-"""``benchmarks/document_conv.py``, ``benchmarks/step_ops.py`` and ``benchmarks/compile_time.py`` end to end on
-CPU, at toy sizes: the variants and rows each report, side by side, with their ratio."""
+"""``benchmarks/document_conv.py`` and ``benchmarks/compile_time.py`` end to end on CPU, at toy sizes: the
+variants each report, side by side, with their ratio."""
 
 from __future__ import annotations
 
@@ -42,15 +42,6 @@ def test_document_conv_refuses_an_even_kernel():
     result = run_group([sys.executable, str(REPO / "benchmarks" / "document_conv.py"), "--kernel", "8"],
                        timeout=120, cwd=REPO, env=env())
     assert result.returncode == 2 and "--kernel 8: the conv needs an odd kernel size" in result.stderr
-
-
-def test_step_ops_profiles_one_document_and_packed_samples():
-    lines = run("step_ops.py", "--top", "3")
-    times = [line for line in lines if "ms/step of host time" in line]
-    assert [line.split(":")[0] for line in times] == ["one document per sample", "packed"], lines
-    assert all(float(line.split()[-5]) > 0 for line in times), times
-    assert any("Input Shapes" in line for line in lines)  # the table grouped by shape
-    assert lines[-1].startswith("packed / one document: ")
 
 
 def test_compile_time_compiles_the_step_unrolled_layers_once_and_from_the_cache_file():

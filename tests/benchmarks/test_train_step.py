@@ -49,8 +49,7 @@ def test_a_subset_of_rows_timed_and_profiled(tiny_corpus, tmp_path):
 def test_the_timed_steps_follow_the_ready_file_and_wait_for_the_go_file(tmp_path):
     """What the GPU acceptance relies on to time the transformers row alone: the ready file appears only after
     the warm-up steps, and no timed step begins before the caller's go file (``time_rows``)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from train_step import Row, time_rows
+    from benchmarks.train_step import Row, time_rows
 
     ready, go = tmp_path / "ready", tmp_path / "go"
     seen = []  # per step: (ready file there, go file there, when)

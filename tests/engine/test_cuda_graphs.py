@@ -7,7 +7,7 @@ step as the trainer does (bf16 autocast, fused AdamW, ``cudagraph_mark_step_begi
 partitioning on and off, and count the graphs the CUDA-graph trees recorded: a failure names the setting
 and the skips inductor reported. The others check the route that does not depend on inductor's choice,
 ``train.cuda_graphs: capture`` (``model/step_capture.py``): the step captured by hand trains, eager and
-compiled, and a replay computes what the eager step computes. ``python -m benchmarks.gpu_acceptance``
+compiled, and a replay computes what the eager step computes. ``python -m benchmarks.gpu.acceptance``
 runs them first. Skipped without CUDA.
 """
 

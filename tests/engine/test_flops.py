@@ -1,5 +1,5 @@
 """MFU's numerator checked: ``engine.flops.training_flops_per_sample`` against torch's FlopCounterMode over a
-real forward and backward of ``ElectraForPretraining`` (``benchmarks.flop_count``: the counter with a
+real forward and backward of ``ElectraForPretraining`` (``benchmarks.analysis.flop_count``: the counter with a
 grouped convolution's backward counted right, plus the dynamic convolution's taps, which run elementwise).
 
 The two agree exactly, term for term, for every convolution type, grouped feed-forward layers, an embedding
@@ -11,8 +11,8 @@ which MFU does not count as model work.
 import pytest
 import torch
 
-from benchmarks.flop_count import count_training_flops
-from benchmarks.train_step import electra_config_for
+from benchmarks.analysis.flop_count import count_training_flops
+from benchmarks.common import electra_config_for
 from convbert_ds.config import ElectraConfig, generator_config, preset
 from convbert_ds.engine.flops import mlm_head_forward_flops, training_flops_per_sample
 from convbert_ds.model import mask_tokens

@@ -1,13 +1,12 @@
-"""Every config in configs/ and every training command in the README resolves at the world size it names.
+"""Every config in configs/ resolves at the world sizes it names, and the paper configs are the paper's.
 
-A config names its world sizes in a header line (``# World sizes: 1, 8``); a README command names its own
-(``deepspeed --num_gpus N``, ``sbatch --nodes=K`` x the script's 8 tasks per node, ``mpirun -np N``,
-``torchrun --nproc_per_node N``). Each is resolved as ``--check-config --world-size N`` resolves it, on real
-shards (the tests' corpus stands in for the user's ``shards``), before any process group exists.
+A config names its world sizes in a header line (``# World sizes: 1, 8``); each is resolved as
+``--check-config --world-size N`` resolves it, on real shards (the tests' corpus stands in for the user's
+``shards``), before any process group exists. The training commands of the README and docs/ are resolved the
+same way, at the world size each names, by ``tests/test_docs.py``.
 """
 
 import re
-import shlex
 
 import pytest
 
@@ -16,7 +15,6 @@ from convbert_ds.formats.train_config import load_config
 from launch import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-SLURM_TASKS_PER_NODE = 8  # slurm/pretrain*.sbatch's #SBATCH --ntasks-per-node
 TABLE5 = {  # the paper's Table 5: peak learning rate, batch size; 1M steps at 128 tokens, 10k warm-up
     "small": (3e-4, 128), "medium-small": (5e-4, 128), "base": (2e-4, 256)}
 
@@ -69,55 +67,3 @@ def test_paper_presets_have_table5_hyperparameters_and_a_phase_2(name, tiny_corp
     raw = load_config(REPO / "configs" / f"{name}_phase2.yaml")
     assert raw.phase.continue_from == load_config(REPO / "configs" / f"{name}.yaml").checkpoint.dir
     assert raw.checkpoint.dir != raw.phase.continue_from
-
-
-def _readme_training_commands() -> list[tuple[str, list[str]]]:
-    """(command line, its words) for each README line that starts training (continuations joined)."""
-    text = "\n".join(re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.DOTALL))
-    commands = []
-    for line in text.replace("\\\n", " ").splitlines():
-        line = line.split("  #")[0].strip()
-        starts_training = "convbert_ds.train" in line or re.search(r"slurm/pretrain\w*\.sbatch", line)
-        if starts_training and "--help" not in line and not re.search(r"C\.yaml|\.\.\.|[A-Z]{3,}/", line):
-            commands.append((line, shlex.split(line)))
-    return commands
-
-
-def _world_and_config(words: list[str]) -> tuple[int, str, list[str]]:
-    def option(name: str, default: int) -> int:
-        for i, word in enumerate(words):
-            if word == name:
-                return int(words[i + 1])
-            if word.startswith(name + "="):
-                return int(word.split("=", 1)[1])
-        return default
-
-    if words[0] == "sbatch":
-        script = next(i for i, w in enumerate(words) if w.endswith(".sbatch"))
-        world = option("--nodes", 1) * option("--ntasks-per-node", SLURM_TASKS_PER_NODE)
-        config, rest = words[script + 1], words[script + 2:]
-    else:
-        world = option("--num_gpus", 0) or option("-np", 0) or option("--nproc_per_node", 0) or \
-            option("--world-size", 1)
-        config = words[words.index("--config") + 1]
-        rest = words[words.index("--config") + 2:]
-    overrides = [w for w in rest if "=" in w and not w.startswith("-")]
-    return world, config, overrides
-
-
-COMMANDS = _readme_training_commands()
-
-
-def test_the_readme_has_training_commands_to_check():
-    assert len(COMMANDS) >= 6, [c for c, _ in COMMANDS]
-    assert any(line.startswith("deepspeed --num_gpus 8") for line, _ in COMMANDS)
-
-
-@pytest.mark.parametrize("line, words", COMMANDS, ids=[c[:60] for c, _ in COMMANDS])
-def test_every_readme_training_command_resolves_at_its_world_size(line, words, tiny_corpus, tmp_path):
-    world, config, overrides = _world_and_config(words)
-    own = [o for o in overrides if not o.startswith(("data.sets=", "checkpoint.dir="))]
-    cfg = load_config(REPO / config, own + _on_test_shards(tiny_corpus["shards"], tmp_path)
-                      + ["phase.continue_from=null"])
-    plan = resolve(cfg, world, cuda=True)
-    assert plan.micro_batch_size * plan.grad_accum * (world // cfg.pipeline.stages) == cfg.train.global_batch_size

@@ -19,9 +19,35 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
+def compile_for_gpu(kernel, args: tuple, meta: dict, config_index: int = 0, arch: int = 90):
+    """``kernel`` (a ``triton.autotune``d JIT function) compiled for ``sm_<arch>`` by Triton's own compiler, as
+    the JIT would specialise it for ``args`` (tensors: only their dtypes and alignment matter) with ``meta`` and
+    its configuration ``config_index``; no GPU needed. Returns Triton's ``CompiledKernel`` (``.asm["cubin"]``)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import native_specialize_impl
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    fn = kernel.fn  # the JITFunction under triton.autotune
+    config = kernel.configs[config_index]
+    constexprs = {**meta, **config.kwargs}
+    signature, attrs = {}, {}
+    for i, (name, arg) in enumerate(zip(fn.arg_names, args)):
+        kind, spec = native_specialize_impl(type(backend), arg, False, True, True)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = spec
+        else:
+            attrs[(i,)] = backend.parse_attr(spec)
+    signature.update({name: "constexpr" for name in fn.arg_names[len(args):]})
+    options = backend.parse_options({"num_warps": config.num_warps, "num_stages": config.num_stages})
+    return triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
 def compile_kernels(arch: int = 90) -> list[str]:
     """Compile forward and backward for a few dtype/flag combinations; returns a line per compiled kernel."""
-    from benchmarks.kernel_registers import compile_for_gpu
     from convbert_ds.kernels import sdconv_triton as sd
 
     assert not sd.INTERPRET, "compile_kernels must run without TRITON_INTERPRET"
@@ -76,21 +102,3 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert result.stdout.count("'UNROLL_TAPS': False") == 4, result.stdout
     # Forward: 5 tuned block shapes in fp32, 1 in bf16; backward (one block shape): fp32 and bf16.
     assert result.stdout.count("_document_conv_") == 8, result.stdout
-
-
-def test_the_register_table_lists_every_configuration_the_tuner_may_pick():
-    import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
-        pytest.skip("this triton build ships no cuobjdump")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "kernel_registers.py")], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("forward", "backward"))]
-    assert len(rows) == 24, result.stdout  # 6 block shapes, taps unrolled and looped, forward and backward
-    for _, block_t, warps, taps, registers, local, programs, warps_per_sm, per_thread, issue_us in rows:
-        assert taps in ("unrolled", "loop") and 0 < int(registers) <= 255 and int(programs) >= 1, result.stdout
-        assert int(warps_per_sm) == int(programs) * int(warps) <= 64, result.stdout
-        # Every thread issues its taps' loads and sums: hundreds of instructions at least; a call at batch 256
-        # takes tens of microseconds of an H200's issue slots.
-        assert int(per_thread.replace(",", "")) > 300 and 5 < float(issue_us) < 500, result.stdout

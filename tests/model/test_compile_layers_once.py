@@ -6,7 +6,7 @@ reused region's backward read memory that had since been overwritten, and the di
 input projections got gradients about 100% off while the loss was right to 10 digits. So the model here has
 three layers per body (two reuses each) and packed documents, and every parameter's gradient is compared,
 not the loss alone. Dropout is on: the compiled step draws the same masks as eager (``fallback_random``).
-On a GPU the same check runs on CUDA (``python -m benchmarks.gpu_acceptance`` runs that case).
+On a GPU the same check runs on CUDA (``python -m benchmarks.gpu.acceptance`` runs that case).
 
 Measured on CPU (fp32, one step): the largest difference of any gradient from eager is 2e-6; the test
 allows a relative 1e-4 per tensor.

@@ -1,7 +1,7 @@
 """``train.compile_autotune``'s levels as inductor options (``step_inductor_options``): every option set is one
 torch.compile takes; ``kernels`` tunes inductor's own kernels without max-autotune's matmul templates (the
 minutes of compiling that did not finish in a GPU lease), and ``matmuls`` the templates without that tuning.
-What each gains is measured on a GPU (``benchmarks/gpu_acceptance.py``, the pretraining rows ``tuned kernels``,
+What each gains is measured on a GPU (``benchmarks/gpu/acceptance.py``, the pretraining rows ``tuned kernels``,
 ``tuned matmuls`` and ``autotune``); on CPU they change nothing.
 
 ``train.compile_options``: the rest of inductor's options, checked against the installed torch when the run
@@ -146,7 +146,7 @@ def test_the_options_reach_inductor_in_both_compile_modes():
     """Real compiles of one tiny layer, forward and backward, counted by inductor itself: ``max_fusion_size: 1``
     (at most one op a fused kernel) launches more kernels than the default, through ``compile_step`` (the
     paper configs' mode; any module will do) and through ``compile_layers`` alike."""
-    from benchmarks.inductor_count import compiled_counts
+    from benchmarks.common import compiled_counts
 
     def kernels(compile_, options) -> int:
         torch._dynamo.reset()

@@ -1,0 +1,1 @@
+"""Kernel-analysis tools (``python benchmarks/analysis/NAME.py``), kept apart: no user benchmark imports them."""

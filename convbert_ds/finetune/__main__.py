@@ -23,7 +23,7 @@ from convbert_ds.fsutil import FORCE_FLAG
 def _recipe_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("recipe (defaults: ConvBERT Table 6 and ELECTRA's fine-tuning settings)")
     helps = {
-        "learning_rate": "peak LR (None: by model width, 3e-4 up to 512 wide, 1e-4 up to 768, else 5e-5)",
+        "learning_rate": "peak LR (None: by model width, 3e-4 below 512 wide, 1e-4 up to 768, else 5e-5)",
         "layerwise_lr_decay": "LR factor per layer below the top (1 turns the decay off)",
         "weight_decay": "AdamW weight decay (not on biases and LayerNorm weights)",
         "warmup_fraction": "share of the steps with linear LR warm-up",

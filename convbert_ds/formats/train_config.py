@@ -86,7 +86,7 @@ class ModelSection:
         "exports) or official (1+1 heads of the full head size, as yitu-opensource/ConvBert; not exported)")] = \
         "transformers"
     overrides: Annotated[dict, Key("any ModelConfig field, e.g. {num_hidden_layers: 2}; with init_from_hf only "
-                                   "dropout and sdconv_impl")] = field(default_factory=dict)
+                                   "the dropouts, sdconv_impl and residual_dtype")] = field(default_factory=dict)
     init_from_hf: Annotated[str | None, Key("continue pretraining a published model: a directory written by "
                                             "python -m convbert_ds.convert --from-hf HF_DIR --out DIR")] = None
 

@@ -404,3 +404,10 @@ def test_python_blocks_compile_and_their_imports_resolve(page):
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     _exists(alias.name)
+
+
+def test_the_benchmarks_top_level_holds_user_benchmarks_each_named_in_its_readme():
+    scripts = [p.name for p in (REPO / "benchmarks").glob("*.py") if p.stem not in ("__init__", "common")]
+    assert 0 < len(scripts) <= 15, scripts
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    assert not [name for name in scripts if f"`{name}`" not in readme], "benchmarks/README.md does not name them"

@@ -8,11 +8,14 @@ import sys
 import threading
 import time
 
+import pytest
+
 from launch import REPO, env, run_group
 
 ROWS = ("plain PyTorch", "DeepSpeed engine", "transformers ConvBERT")
 
 
+@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
 def test_counts_only_reports_the_three_loops(tiny_corpus):
     command = [sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--counts-only", "--preset", "tiny",
                "--batch", "2", "--seq", "64", "--threads", "1", "--shards", str(tiny_corpus["shards"])]
@@ -32,6 +35,7 @@ def test_counts_only_reports_the_three_loops(tiny_corpus):
     assert "median step" not in result.stdout  # --counts-only: no timing table
 
 
+@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
 def test_a_subset_of_rows_timed_and_profiled(tiny_corpus, tmp_path):
     command = [sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--rows", "plain,engine", "--steps", "1",
                "--preset", "tiny", "--batch", "2", "--seq", "64", "--threads", "1",

@@ -42,6 +42,7 @@ RECORDS = [REPO / "benchmarks" / "RESULTS.md", *sorted((REPO / "benchmarks" / "r
 LINE_LIMITS = {"README.md": 250, "docs/*.md": 250, "benchmarks/RESULTS.md": 400, "benchmarks/runs/*.md": 150}
 LANGUAGES = ("bash", "text", "python", "yaml", "json")
 FENCE_LINE = re.compile(r"^(\s*)(```|~~~)\s*([^\s`]*)")
+ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=.*", re.DOTALL)  # a shell word VAR=value (shlex has unquoted it)
 
 
 def _relative(path: Path) -> str:
@@ -169,7 +170,7 @@ class Command:
     @property
     def words(self) -> list[str]:
         words = shlex.split(self.line)
-        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0], re.DOTALL):  # VAR=value prefixes
+        while words and ASSIGNMENT.fullmatch(words[0]):  # VAR=value prefixes
             words.pop(0)
         return words
 
@@ -307,7 +308,7 @@ def _resolution(words: list[str]) -> Resolution | None:
     if first == "bash":
         return _bash(words)
     if first == "export":
-        assert all(re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w) for w in words[1:]), "export takes VAR=value"
+        assert all(ASSIGNMENT.fullmatch(w) for w in words[1:]), "export takes VAR=value"
         return None
     raise AssertionError(f"'{first}' is not a command of this project: show it as inline code or in a "
                          f"```text block, or teach tests/test_docs.py to resolve it")

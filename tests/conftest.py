@@ -16,6 +16,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # inductor's vector code, and with cold caches, as in CI, g++ on the vectorised kernels is about 40% of a
 # compile (tests/model/test_compile_random.py: 167 s against 97 s scalar, 2 CPU cores).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# One compute thread per pytest-xdist worker (scripts/test.sh runs one worker per core), and in every process
+# a test starts: with each worker's torch on every core, the workers' thread pools contend, and a test that
+# trains in-process ran 7x slower beside another worker than alone.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 

@@ -146,7 +146,8 @@ class TrainSection:
     seed: Annotated[int, Key("seed of the initial weights")] = 1234
     activation_checkpointing: Annotated[bool, Key("recompute activations in the backward (less memory)")] = False
     compile: Annotated[bool, Key("run the model through torch.compile (inductor, see compile_mode); off by "
-                                 "default: on CPU it gains a few percent for a start-up compile "
+                                 "default: a start-up compile, for a few percent on CPU with the layers alone "
+                                 "and 1.5x with the whole step at the quickstart's tiny size "
                                  "(benchmarks/RESULTS.md)")] = False
     compile_mode: Annotated[Literal["layers", "step"], Key(
         "what train.compile compiles: layers = every encoder layer (masking, sampling and losses eager); step = "

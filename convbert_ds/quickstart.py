@@ -102,7 +102,9 @@ def finetune_both(model: Path, task: Path, out: Path, seeds: int) -> tuple[list[
     gains the tiny model only 1.5x (a one-seed run in 22 s on 2 threads, 34 s on 1), so on 2 cores both inits
     are done in 2.6 minutes with the conversion, against 4.2 one after the other (benchmarks/RESULTS.md). The
     pretrained run prints to the terminal, the random init's to OUT/random_init.log."""
-    threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    # the cores this process may use (Linux: its affinity, as under Slurm); elsewhere the machine's
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    threads = str(max(1, cores // 2))
     pretrained, random = (_finetune_command(model, task, out / name, seeds, name == "random_init")
                           for name in ("pretrained", "random_init"))
     out.mkdir(parents=True, exist_ok=True)

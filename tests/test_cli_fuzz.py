@@ -150,7 +150,7 @@ def test_unknown_options_are_one_line_naming_them(module, option, capsys):
     assert f"unrecognized arguments: {option}" in err[0], (module, option, err)
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 @pytest.mark.parametrize("module", sorted(CLIS))
 def test_the_real_command_line_says_it_in_one_line(module):
     """``python -m MODULE --no-such-option``: exit code 2, one line, the option named, no traceback."""

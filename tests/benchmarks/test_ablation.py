@@ -32,7 +32,7 @@ def _in_unit_interval(result: dict) -> bool:
     return len(result["scores"]) == 1 and all(0.0 <= s <= 1.0 for s in result["scores"])
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_ablation_reports_both_variants_and_resumes(tiny_corpus, task, tmp_path):
     work = tmp_path / "work"
     command = _ablation(work, tiny_corpus["shards"], task)

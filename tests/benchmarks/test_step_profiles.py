@@ -17,7 +17,7 @@ def run(script: str, *args: str) -> list[str]:
     return result.stdout.splitlines()
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_document_conv_times_the_cpu_variants_against_the_einsum():
     # The Triton kernels are timed on a GPU only; their numbers are tests/kernels/test_document_conv.py's.
     lines = run("document_conv.py", "--batch", "2", "--seq", "32", "--channels", "16", "--reps", "2",
@@ -47,7 +47,7 @@ def test_document_conv_refuses_an_even_kernel():
     assert result.returncode == 2 and "--kernel 8: the conv needs an odd kernel size" in result.stderr
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_compile_time_compiles_the_step_unrolled_layers_once_and_from_the_cache_file():
     # One layer per body, the least there is to compile (about 30 s a cold variant here): the script's
     # machinery, not the reuse of a region, which tests/model/test_compile_layers_once.py checks. The third

@@ -15,7 +15,7 @@ from launch import REPO, env, run_group
 ROWS = ("plain PyTorch", "DeepSpeed engine", "transformers ConvBERT")
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_counts_only_reports_the_three_loops(tiny_corpus):
     command = [sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--counts-only", "--preset", "tiny",
                "--batch", "2", "--seq", "64", "--threads", "1", "--shards", str(tiny_corpus["shards"])]
@@ -35,7 +35,7 @@ def test_counts_only_reports_the_three_loops(tiny_corpus):
     assert "median step" not in result.stdout  # --counts-only: no timing table
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_a_subset_of_rows_timed_and_profiled(tiny_corpus, tmp_path):
     command = [sys.executable, str(REPO / "benchmarks" / "train_step.py"), "--rows", "plain,engine", "--steps", "1",
                "--preset", "tiny", "--batch", "2", "--seq", "64", "--threads", "1",

@@ -173,7 +173,7 @@ def test_bad_from_hf_inputs_are_one_line_errors(published, tmp_path, capsys):
     assert not any((tmp_path / name).exists() for name in "abcd")
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_from_hf_cli_in_a_fresh_process(published, tmp_path):
     done = subprocess.run([sys.executable, "-m", "convbert_ds.convert", "--from-hf", str(published["body"]),
                            "--out", str(tmp_path / "init")], cwd=REPO, env=env(), capture_output=True, text=True,

@@ -79,7 +79,7 @@ def test_opcheck():
     torch_ops.opcheck(OPS.document_conv_backward, (grad_out, x, weight, taps, True, True))
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_compiled_whole_with_the_kernels_inside():
     inputs = _inputs()
     eager = _value_and_grads("torch", *inputs)

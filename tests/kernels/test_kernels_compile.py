@@ -87,7 +87,7 @@ def compile_kernels(arch: int = 90) -> list[str]:
     return done
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_kernels_compile_for_sm90(tmp_path):
     import triton
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):

@@ -36,7 +36,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_layers_compiled_once_give_the_eager_gradients(device):
     torch.manual_seed(0)

@@ -142,7 +142,7 @@ def test_an_option_as_the_start_line_and_the_benchmarks_write_it_loads_back(name
     assert _options(f"train.compile_options.{text}") == {name: value}, text
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_the_options_reach_inductor_in_both_compile_modes():
     """Real compiles of one tiny layer, forward and backward, counted by inductor itself: ``max_fusion_size: 1``
     (at most one op a fused kernel) launches more kernels than the default, through ``compile_step`` (the

@@ -26,7 +26,7 @@ def _loss_and_grad_norm(model, inputs, documents, seed: int | None) -> tuple[flo
     return out.loss.item(), norm.item()
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_inductor_random_draws_its_own_values_anew_each_step_and_repeats_from_the_generator():
     torch.manual_seed(0)
     config = ElectraConfig.from_preset("tiny", vocab_size=1000, max_position_embeddings=64, num_hidden_layers=1)

@@ -25,7 +25,7 @@ def test_the_gpus_kernels_with_and_without_combo_kernels_give_the_eager_gradient
     assert 0 < combo.launches < plain.launches, (plain.launches, combo.launches)
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_tuned_matmuls_take_the_ffns_gelu_and_its_backward_into_their_epilogues():
     # train.compile_autotune=matmuls (the GPU acceptance's "tuned matmuls" row) is there for the GELUs: on the
     # H200 they and their backwards are 6.8 ms of the step, in kernels of their own that read and write the

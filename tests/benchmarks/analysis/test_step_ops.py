@@ -10,7 +10,7 @@ import pytest
 from launch import REPO, env, run_group
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_step_ops_profiles_one_document_and_packed_samples():
     result = run_group([sys.executable, str(REPO / "benchmarks" / "analysis" / "step_ops.py"), "--top", "3"],
                        timeout=400, cwd=REPO, env=env())

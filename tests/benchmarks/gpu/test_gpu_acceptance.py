@@ -205,7 +205,7 @@ def test_the_tables_name_each_compile_autotune_level_once():
     assert all(named) and len(set(named)) == len(named) and AUTOTUNE_LABELS[False] == "", AUTOTUNE_LABELS
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_a_command_stopped_at_its_limit_says_where_it_was_and_leaves_nothing_running(tmp_path):
     """A row that hangs or compiles past its limit: its log holds the main thread's Python stack (the
     acceptance prints it beside the table), and every process under it goes, also one in a session of its
@@ -244,7 +244,7 @@ def test_a_stopped_commands_stack_names_files_from_the_package_or_the_project():
                                         'File "<frozen runpy>", line 88 in _run_code']
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_a_finished_command_is_not_held_by_what_it_left_running():
     # It exits 3 at once, leaving a process in a session of its own that holds its output for 15 s.
     from benchmarks.gpu.limited_run import DRAIN_S, run_group

@@ -68,7 +68,7 @@ def test_the_fp16_row_is_one_the_trainers_plan_takes_on_a_gpu(tiny_corpus, tmp_p
     assert not plan.ds_config["fp16"]["enabled"] and not plan.ds_config["bf16"]["enabled"]  # fp32 weights
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_without_a_gpu_the_lease_installs_nothing_measures_nothing_and_says_so(tmp_path):
     runs = sorted((REPO / "benchmarks" / "runs").glob("*"))
     result = _lease(tmp_path)

@@ -25,7 +25,7 @@ def _stamps(path) -> list[float]:
     return [float(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_a_paused_command_does_nothing_and_its_limit_counts_only_its_running_time(tmp_path):
     out = tmp_path / "ticks"
     run = LimitedRun([sys.executable, "-c", TICKER, str(out)], dict(os.environ), limit_s=6)
@@ -73,7 +73,7 @@ class _Job:
         return self.marker.exists()
 
 
-@pytest.mark.slow  # a process launch or a compile: the whole suite's, not the fast tier's
+@pytest.mark.slow
 def test_runs_start_together_and_each_goes_on_alone_once_ready(tmp_path):
     # Had the others not been paused, the first one ready (at 2 s) would still be stepping when the next
     # one gets ready (at 3 s) and starts stepping too.

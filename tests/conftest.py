@@ -19,8 +19,12 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # One compute thread per pytest-xdist worker (scripts/test.sh runs one worker per core), and in every process
 # a test starts: with each worker's torch on every core, the workers' thread pools contend, and a test that
 # trains in-process ran 7x slower beside another worker than alone.
+# Inductor compiles in the compiling process itself, not in a pool of its own: each process that compiles
+# would start the pool's processes, which import torch and inductor (about 5 CPU-seconds) to run g++ beside
+# it, on cores the other workers already fill.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 

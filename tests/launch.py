@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from convbert_ds.engine.distributed import free_port
@@ -42,9 +45,34 @@ def train_command(launcher: str, nproc: int = 2) -> list[str]:
     raise ValueError(launcher)
 
 
+SPAWN_RANKS = Path(__file__).with_name("spawn_ranks.py")
+_zygote: list[str] = []  # the socket of this process's rank zygote, once started
+
+
 def spawn_ranks(nproc: int, command: list[str]) -> list[str]:
-    """``command`` on ``nproc`` ranks of this machine, started by ``tests/spawn_ranks.py``."""
-    return [sys.executable, str(Path(__file__).with_name("spawn_ranks.py")), str(nproc), free_port(), "--", *command]
+    """``command`` on ``nproc`` ranks of this machine, started by ``tests/spawn_ranks.py``, forked from this
+    process's zygote where it can be (its docstring says when)."""
+    return [sys.executable, str(SPAWN_RANKS), str(nproc), free_port(), "--zygote", _zygote_socket(), "--", *command]
+
+
+def _zygote_socket() -> str:
+    """Start ``spawn_ranks.py --serve`` at the first run that needs it, in ``env()``; it lives as long as this
+    process. Runs asked for before it has made its imports make their own (``spawn_ranks.py`` does not wait)."""
+    if not _zygote:
+        directory = tempfile.mkdtemp(prefix="rank_zygote_")
+        log = open(os.path.join(directory, "log"), "w")
+        zygote = subprocess.Popen([sys.executable, str(SPAWN_RANKS), "--serve", os.path.join(directory, "socket"),
+                                   str(os.getpid())], cwd=REPO, env=env(), stdin=subprocess.DEVNULL, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+
+        def stop() -> None:
+            zygote.kill()
+            zygote.wait()
+            shutil.rmtree(directory, ignore_errors=True)
+
+        atexit.register(stop)
+        _zygote.append(os.path.join(directory, "socket"))
+    return _zygote[0]
 
 
 def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:

@@ -68,7 +68,9 @@ cbd_start() {
   # submitting shell would win over them.
   unset RANK LOCAL_RANK WORLD_SIZE
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-  MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))  # as convbert_ds/engine/distributed.py: jobs sharing a node differ
+  # As convbert_ds/engine/distributed.py: jobs sharing a node differ, and the port stays below the kernel's
+  # ephemeral range (32768 and up), where an open connection could already hold it.
+  MASTER_PORT=$((20000 + SLURM_JOB_ID % 12000))
   export MASTER_ADDR MASTER_PORT PYTHONUNBUFFERED=1
 }
 

@@ -80,7 +80,7 @@ class SlurmCluster:
         self.conf = self.root / "slurm.conf"
         self.log_dir = self.root / "log"
         self.processes: dict[str, subprocess.Popen] = {}
-        # Jobs derive their rendezvous port from the job id (20000 + id % 20000): a random first
+        # Jobs derive their rendezvous port from the job id (20000 + id % 12000): a random first
         # id keeps two test sessions on one machine off each other's ports.
         self.first_job_id = random.randrange(1000, 19000)
 

@@ -49,8 +49,9 @@ def _from_slurm() -> dict[str, str]:
         "WORLD_SIZE": os.environ["SLURM_NTASKS"],
         "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"),
         "MASTER_ADDR": os.environ.get("MASTER_ADDR") or _first_slurm_host(),
-        # Jobs sharing a node must not fight over one port.
-        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(20000 + job % 20000),
+        # Jobs sharing a node must not fight over one port, and none may take a port the kernel hands out to
+        # connections (Linux's default ephemeral range starts at 32768): 20000-31999.
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(20000 + job % 12000),
     }
 
 

@@ -46,7 +46,7 @@ def train_command(launcher: str, nproc: int = 2) -> list[str]:
 
 
 SPAWN_RANKS = Path(__file__).with_name("spawn_ranks.py")
-_zygote: list[str] = []  # the socket of this process's rank zygote, once started
+_zygote: dict = {}  # this process's rank zygote, once started: its "socket" path and its "process"
 
 
 def spawn_ranks(nproc: int, command: list[str]) -> list[str]:
@@ -71,8 +71,8 @@ def _zygote_socket() -> str:
             shutil.rmtree(directory, ignore_errors=True)
 
         atexit.register(stop)
-        _zygote.append(os.path.join(directory, "socket"))
-    return _zygote[0]
+        _zygote.update(socket=os.path.join(directory, "socket"), process=zygote)
+    return _zygote["socket"]
 
 
 def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:

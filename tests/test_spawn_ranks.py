@@ -5,6 +5,7 @@ nothing running when the caller is killed."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,25 +20,28 @@ pytestmark = pytest.mark.slow
 RANK_SCRIPT = """
 import json, os, sys
 print(json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:],
-                  "path0": sys.path[0], "main": __name__, "torch_loaded": "torch" in sys.modules}), flush=True)
+                  "path0": sys.path[0], "main": __name__, "torch_loaded": "torch" in sys.modules,
+                  "grandparent": int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])}),
+      flush=True)
 sys.exit(int(os.environ["RANK"]) + int(sys.argv[1]))
 """
 
 
-def _wait_for_zygote(timeout: float = 120) -> None:
-    """The zygote answers once its imports are made; until then runs make their own."""
-    from launch import _zygote_socket
+def _wait_for_zygote(timeout: float = 120) -> int:
+    """The zygote's pid, once it answers (its imports made; until then runs make their own)."""
+    from launch import _zygote, _zygote_socket
 
     ready = Path(_zygote_socket() + ".env")
     deadline = time.monotonic() + timeout
     while not ready.exists():
         assert time.monotonic() < deadline, "the zygote did not start"
         time.sleep(0.2)
+    return _zygote["process"].pid
 
 
 @pytest.mark.parametrize("extra_env", [{}, {"OMP_NUM_THREADS": "3"}], ids=["zygote", "fresh-imports"])
 def test_each_rank_runs_the_script_as_python_would_with_its_own_exit_code(tmp_path, extra_env):
-    _wait_for_zygote()
+    zygote = _wait_for_zygote()
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     result = run_group(spawn_ranks(2, [sys.executable, str(script), "0"]), 120, cwd=REPO,
@@ -47,6 +51,9 @@ def test_each_rank_runs_the_script_as_python_would_with_its_own_exit_code(tmp_pa
     assert [(r["rank"], r["world"], r["argv"], r["main"]) for r in rows] == [("0", "2", ["0"], "__main__"),
                                                                              ("1", "2", ["0"], "__main__")]
     assert all(r["path0"] == str(tmp_path) and r["torch_loaded"] for r in rows), rows  # forked after the imports
+    # Forked by a spawner that the zygote forked, or (another environment) by spawn_ranks.py, which this
+    # process started: the rank's grandparent says which way the run went.
+    assert all(r["grandparent"] == (os.getpid() if extra_env else zygote) for r in rows), (rows, zygote)
     assert result.returncode == 1, result.stderr[-2000:]  # rank 1's code; rank 0's was 0
 
 

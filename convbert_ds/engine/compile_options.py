@@ -66,6 +66,9 @@ def inductor_options(cfg: TrainConfig) -> dict:
             options[name] = _option_value(where, value, declared(name) if declared else type(known[name]))
 
     take(cfg.train.compile_options, "")
+    if options.get("cpp_wrapper") and cfg.train.compile_mode == "step" and cfg.train.compile_layers_once:
+        raise ConfigError("train.compile_options.cpp_wrapper=True: torch's C++ wrapper cannot call the layers "
+                          "compiled once (train.compile_layers_once=true); turn one of them off")
     return options
 
 

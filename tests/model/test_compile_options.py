@@ -16,7 +16,7 @@ from torch import nn
 from convbert_ds.config import ConfigError, preset
 from convbert_ds.engine.compile_options import OPTIONS_OWNED, inductor_options
 from convbert_ds.formats.train_config import TrainSection, load_config, option_text
-from convbert_ds.model.layers import (AutotuneLevel, ConvBertLayer, compile_layers, compile_step,
+from convbert_ds.model.layers import (AutotuneLevel, ConvBertLayer, compile_layers, compile_step, cpu_wrapper,
                                      step_inductor_options)
 from launch import REPO
 
@@ -99,6 +99,17 @@ def test_the_options_other_keys_set_are_refused_by_compile_mode():
         _options("train.compile_options.fallback_random=true", mode="layers")
     with pytest.raises(ConfigError, match=r"triton.cudagraphs=True: train.cuda_graphs decides this option"):
         _options("train.compile_options.triton.cudagraphs=true", mode="layers")
+
+
+def test_the_cpu_wrapper_is_the_users_to_turn_off_but_not_on_with_layers_compiled_once():
+    """Without a GPU the compile modes ask for inductor's C++ wrapper (``cpu_wrapper``), which cannot call a
+    region compiled once: there, the Python wrapper."""
+    assert cpu_wrapper() == ({} if torch.cuda.is_available() else {"cpp_wrapper": True})
+    assert cpu_wrapper(layers_once=True) == {}
+    assert _options("train.compile_options.cpp_wrapper=false") == {"cpp_wrapper": False}
+    with pytest.raises(ConfigError, match=r"^train.compile_options.cpp_wrapper=True: torch's C\+\+ wrapper cannot "
+                                          r"call the layers compiled once \(train.compile_layers_once=true\)"):
+        _options("train.compile_options.cpp_wrapper=true", "train.compile_layers_once=true")
 
 
 @pytest.mark.parametrize("override, message", [

@@ -16,7 +16,7 @@ from convbert_ds.convert import open_checkpoint, read_state_dict
 from convbert_ds.convert.__main__ import main as convert_main
 from convbert_ds.formats.checkpoint.directory import choose_resume_tag
 from convbert_ds.formats.checkpoint.universal import QUANTITIES, Layout, read_quantity
-from launch import REPO, TINY_CONFIG, check, env, run_group, train_command
+from launch import NOT_THE_SUBJECT, REPO, TINY_CONFIG, check, env, run_group, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_it_converts_to_the_same_transformers_weights(copy, monkeypatch):
 def test_it_resumes_with_the_same_losses(copy):
     """The resumed steps' losses as the old code logged them (to float32 rounding: another CPU may sum in
     another order, the checkpoint itself is read bit for bit above)."""
-    command = train_command("deepspeed", 2) + [
+    command = train_command(NOT_THE_SUBJECT, 2) + [
         "--config", str(TINY_CONFIG), "data.sets=[{path: shards, weight: 1.0}]", "checkpoint.dir=checkpoints",
         "log.dir=logs", "train.steps=4", *RUN]
     output = check(run_group(command, 420, cwd=copy, env={**env(), "PYTHONPATH": str(REPO)}))

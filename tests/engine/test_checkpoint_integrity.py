@@ -15,7 +15,7 @@ import torch
 
 from convbert_ds.formats.checkpoint import directory as checkpoint
 from convbert_ds.formats.checkpoint import rng
-from launch import check, run_training, train_metrics
+from launch import NOT_THE_SUBJECT, check, run_training, train_metrics
 
 TAG2, TAG4, TAG6 = (checkpoint.tag_for(step) for step in (2, 4, 6))
 COMMON = ("train.steps=6", "train.warmup_steps=3", "eval.interval=0", "checkpoint.interval=2",
@@ -130,9 +130,11 @@ def test_rng_file_loads_with_weights_only(tmp_path):
 
 @pytest.fixture(scope="module")
 def failed_save_run(tiny_corpus, tmp_path_factory):
-    """6 steps, a checkpoint every 2; rank 1's save at step 4 fails (after DeepSpeed wrote its files)."""
+    """6 steps, a checkpoint every 2; rank 1's save at step 4 fails (after DeepSpeed wrote its files). It and
+    the resumes from its damaged copies are the trainer's work, not the launcher's (``NOT_THE_SUBJECT``); what
+    ``deepspeed`` users see of a refused checkpoint and of a failed final save is tested under it, below."""
     run_dir = tmp_path_factory.mktemp("failed_save")
-    output = check(run_training(run_dir, tiny_corpus["shards"], *COMMON,
+    output = check(run_training(run_dir, tiny_corpus["shards"], *COMMON, launcher=NOT_THE_SUBJECT,
                                 extra_env={"CONVBERT_DS_FAIL_SAVE_AT": "4"}))
     return run_dir, output
 
@@ -140,7 +142,7 @@ def failed_save_run(tiny_corpus, tmp_path_factory):
 def _resume_after_damage(failed_save_run, tiny_corpus, run_dir, damage, *overrides) -> str:
     shutil.copytree(failed_save_run[0], run_dir)
     damage(run_dir / "checkpoints" / TAG6)
-    return check(run_training(run_dir, tiny_corpus["shards"], *COMMON, *overrides))
+    return check(run_training(run_dir, tiny_corpus["shards"], *COMMON, *overrides, launcher=NOT_THE_SUBJECT))
 
 
 def _assert_resumed_bitwise(straight_dir, resumed_dir):

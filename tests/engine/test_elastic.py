@@ -108,13 +108,13 @@ def test_a_run_goes_on_at_another_size_as_it_would_have(tiny_corpus, tmp_path):
 
 def test_killed_conversion_is_redone(tiny_corpus, tmp_path):
     shards, common = tiny_corpus["shards"], (ZERO2, *SHORT, "checkpoint.interval=2")
-    check(run_training(tmp_path, shards, *common, "train.steps=2"))
-    killed = run_training(tmp_path, shards, *common, "train.steps=4", nproc=1,
+    check(run_training(tmp_path, shards, *common, "train.steps=2", launcher=NOT_THE_SUBJECT))
+    killed = run_training(tmp_path, shards, *common, "train.steps=4", nproc=1, launcher=NOT_THE_SUBJECT,
                           extra_env={"CONVBERT_DS_KILL_DURING_CONVERSION": "1"})
     assert killed.returncode != 0
     tag = tmp_path / "checkpoints" / "step00000002"
     assert not (tag / UNIVERSAL).exists() and list(tag.glob(f".{UNIVERSAL}.tmp-*"))
-    output = check(run_training(tmp_path, shards, *common, "train.steps=4", nproc=1))
+    output = check(run_training(tmp_path, shards, *common, "train.steps=4", nproc=1, launcher=NOT_THE_SUBJECT))
     assert "converting" in output and "resumed from" in output
     assert not list(tag.glob(f".{UNIVERSAL}.tmp-*"))
     assert [r["step"] for r in train_metrics(tmp_path)] == [1, 2, 3, 4]

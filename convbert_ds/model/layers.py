@@ -333,10 +333,10 @@ def cpu_wrapper(layers_once: bool = False) -> dict:
     """Inductor's C++ wrapper for what it compiles to C++ kernels (no GPU, its default CPU backend): a graph's
     kernels and the code that calls them go to g++ as one file, where the Python wrapper has g++ build each
     kernel apart. Measured on 2 CPU cores (``benchmarks/RESULTS.md``, "Speed levers tried"): the tiny model's
-    step compiles in 31 s instead of 47 in one process, and a restart that loads the compile cache file takes
-    19 s instead of 40 (the file holds each graph's built library; the Python wrapper's kernels are built
+    step compiles in 29 s instead of 47 in one process, and a restart that loads the compile cache file takes
+    21 s instead of 40 (the file holds each graph's built library; the Python wrapper's kernels are built
     again); two ranks on one machine take the same wall time as before for 16% less CPU, and the compiled
-    quickstart step runs 3% faster. ``train.compile_options.cpp_wrapper=false`` turns it off. Not with
+    quickstart step runs 4% faster. ``train.compile_options.cpp_wrapper=false`` turns it off. Not with
     ``layers_once``: torch 2.13's C++ wrapper cannot call a region compiled once (``invoke_subgraph``)."""
     import torch._inductor.config as inductor_config
 

@@ -324,8 +324,9 @@ def compile_layers(model: nn.Module, eager_random: bool = True, options: dict | 
     ``eager_random`` and ``options``: as for ``compile_step``.
     """
     layers = [module for module in model.modules() if isinstance(module, ConvBertLayer)]
+    options = {**cpu_wrapper(), **_random_stream(eager_random), **(options or {})}
     for layer in layers:
-        layer.compile(dynamic=False, options={**cpu_wrapper(), **_random_stream(eager_random), **(options or {})})
+        layer.compile(dynamic=False, options=options)
     return len(layers)
 
 
@@ -335,9 +336,10 @@ def cpu_wrapper(layers_once: bool = False) -> dict:
     kernel apart. Measured on 2 CPU cores (``benchmarks/RESULTS.md``, "Speed levers tried"): the tiny model's
     step compiles in 29 s instead of 47 in one process, and a restart that loads the compile cache file takes
     21 s instead of 40 (the file holds each graph's built library; the Python wrapper's kernels are built
-    again); two ranks on one machine take the same wall time as before for 16% less CPU, and the compiled
-    quickstart step runs 4% faster. ``train.compile_options.cpp_wrapper=false`` turns it off. Not with
-    ``layers_once``: torch 2.13's C++ wrapper cannot call a region compiled once (``invoke_subgraph``)."""
+    again); two ranks on one machine compile with 16% less CPU but 5-10% longer (they no longer split g++'s
+    work between them), and the compiled quickstart step runs 4% faster. ``train.compile_options.cpp_wrapper=false``
+    turns it off. Not with ``layers_once``: torch 2.13's C++ wrapper cannot call a region compiled once
+    (``invoke_subgraph``)."""
     import torch._inductor.config as inductor_config
 
     if torch.cuda.is_available() or layers_once or inductor_config.cpu_backend != "cpp":

@@ -19,10 +19,13 @@ pytestmark = pytest.mark.slow
 
 RANK_SCRIPT = """
 import json, os, sys
-print(json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:],
-                  "path0": sys.path[0], "main": __name__, "torch_loaded": "torch" in sys.modules,
-                  "grandparent": int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])}),
-      flush=True)
+# One write a line: print's text and newline are two writes to the unbuffered stdout, and the other rank's
+# line came between them.
+grandparent = int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])
+sys.stdout.write(json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:],
+                             "path0": sys.path[0], "main": __name__, "torch_loaded": "torch" in sys.modules,
+                             "grandparent": grandparent}) + "\\n")
+sys.stdout.flush()
 sys.exit(int(os.environ["RANK"]) + int(sys.argv[1]))
 """
 

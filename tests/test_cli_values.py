@@ -115,7 +115,7 @@ def test_every_benchmark_script_is_found():
     """The user benchmarks at benchmarks/ (``common`` is shared code), the GPU acceptance and the analysis tools
     that take a command line."""
     top = [module for module in BENCHMARKS if module.count(".") == 1]
-    assert len(top) == 14 and "benchmarks.common" not in top, top
+    assert len(top) == 15 and "benchmarks.common" not in top, top
     assert {"benchmarks.gpu.acceptance", "benchmarks.analysis.interpreted_step", "benchmarks.analysis.trace_summary",
             "benchmarks.analysis.step_ops", "benchmarks.analysis.flop_count"} <= set(BENCHMARKS), BENCHMARKS
 

@@ -13,6 +13,13 @@ full disk is often fixed by the user deleting files while the run goes on, and s
 away every step since the last good checkpoint. The run's last save (end of training, or preemption)
 has no next interval: when it fails the run exits with ``EXIT_NOT_SAVED`` and one line saying which
 steps are not saved and where the last complete checkpoint is.
+
+A save has two parts: ``stage`` (the step loop waits for it) and ``finish`` (the files written, the ranks'
+agreement, the manifest and ``latest``). ``save`` runs both in turn. With ``checkpoint.background``,
+``stage`` copies every state DeepSpeed hands its checkpoint engine to host memory instead of writing it,
+and ``BackgroundSave`` runs ``finish`` in a thread while training goes on, its collectives on a gloo group of
+their own. ``latest`` and COMPLETE are still written last, so a kill during a background save leaves the
+previous checkpoint the newest complete one.
 """
 
 from __future__ import annotations
@@ -22,6 +29,10 @@ import json
 import os
 import shutil
 import signal
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -59,10 +70,12 @@ class _Writes:
     barriers that follow it there, and the other ranks would wait in them forever.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine, staged: list | None = None):
         self.error: BaseException | None = None
         self.patched = [(engine.checkpoint_engine, "save"), (engine.checkpoint_engine, "makedirs"),
                         (engine, "_copy_recovery_script")]
+        self.engine_save = engine.checkpoint_engine.save  # what writes a staged state later
+        self.staged = staged  # a list: DeepSpeed's states are copied into it, not written
 
     def attempt(self, write, *args, **kwargs):
         if self.error is None:
@@ -75,10 +88,13 @@ class _Writes:
                 self.error = OSError(f"writing {target} failed: {first_line(error)}")
         return None
 
+    def _stage(self, state_dict, path) -> None:
+        self.staged.append((host_copy(state_dict), path))
+
     def __enter__(self):
         for owner, name in self.patched:
             if hasattr(owner, name):
-                original = getattr(owner, name)
+                original = self._stage if self.staged is not None and name == "save" else getattr(owner, name)
                 setattr(owner, name, lambda *a, _w=original, **k: self.attempt(_w, *a, **k))
         return self
 
@@ -88,14 +104,40 @@ class _Writes:
                 delattr(owner, name)  # the instance attribute set above: the class's method shows again
 
 
-def _ranks_errors(error: BaseException | None, device) -> list[str]:
+def host_copy(state, _storages: dict | None = None):
+    """``state`` with every tensor copied to host memory and every container copied: what training changes in
+    place next (weights, optimizer moments) is no longer what a background save writes. Tensors that share
+    storage share the copy's, as ``torch.save`` keeps them: DeepSpeed's ZeRO optimizer hands every parameter
+    group one ``step`` tensor, and a resume that loads two bit-equal ``step`` tensors instead of one
+    diverges at its second step. Other values are kept as they are (numbers, strings, configs: nothing the
+    step loop changes)."""
+    storages = {} if _storages is None else _storages
+    if isinstance(state, torch.Tensor):
+        tensor = state.detach()
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if key not in storages:
+            storages[key] = storage.clone() if tensor.device.type == "cpu" else storage.cpu()
+        copy = torch.empty(0, dtype=tensor.dtype)
+        copy.set_(storages[key], tensor.storage_offset(), tensor.size(), tensor.stride())
+        return copy
+    if isinstance(state, OrderedDict):
+        return OrderedDict((key, host_copy(value, storages)) for key, value in state.items())
+    if isinstance(state, dict):
+        return {key: host_copy(value, storages) for key, value in state.items()}
+    if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):  # a namedtuple is kept as it is
+        return type(state)(host_copy(value, storages) for value in state)
+    return state
+
+
+def _ranks_errors(error: BaseException | None, device, group=None) -> list[str]:
     """Every rank calls it, at the same point: ``[]`` when no rank failed, else each failed rank's error."""
     flag = torch.tensor([0.0 if error is None else 1.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if not flag.item():
         return []
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else first_line(error))
+    dist.all_gather_object(errors, None if error is None else first_line(error), group=group)
     return [f"rank {rank}: {text}" for rank, text in enumerate(errors) if text is not None]
 
 
@@ -137,39 +179,188 @@ class SaveFailed(Exception):
         return f"error: {self}; steps {first}-{step} are not saved; {where}"
 
 
-def save(engine, directory: Path, step: int, trainer_state: dict, keep_last: int) -> str:
-    """Save on every rank; the tag becomes visible (COMPLETE, ``latest``) only once all ranks are done.
-    Returns the tag; raises ``SaveFailed`` on every rank when any rank's writes failed."""
-    tag = tags.tag_for(step)
-    tag_dir, rank, device = directory / tag, dist.get_rank(), engine.device
-    with _Writes(engine) as writes:
-        if rank == 0:  # re-saving a step (``latest`` moved back): never leave an old COMPLETE over new files
-            writes.attempt((tag_dir / tags.COMPLETE).unlink, missing_ok=True)
+@dataclass
+class Staged:
+    """A save once the step loop may go on: its files written (``staged`` empty) or copied to host memory."""
+
+    directory: Path
+    step: int
+    trainer_state: str  # as written: serialised in the step loop (the data loader's state moves on)
+    writes: _Writes
+    rng: dict
+    staged: list = field(default_factory=list)  # (state, path): what ``finish`` writes with DeepSpeed's engine
+
+    @property
+    def tag(self) -> str:
+        return tags.tag_for(self.step)
+
+
+def stage(engine, directory: Path, step: int, trainer_state: dict, background: bool = False) -> Staged:
+    """The part of a save the step loop waits for, on every rank: DeepSpeed's files written, or with
+    ``background`` copied to host memory (the copy is all the step loop waits for)."""
+    tag, staged = tags.tag_for(step), [] if background else None
+    with _Writes(engine, staged) as writes:
+        if dist.get_rank() == 0:  # re-saving a step (``latest`` moved back): no old COMPLETE over new files
+            writes.attempt((directory / tag / tags.COMPLETE).unlink, missing_ok=True)
         engine.save_checkpoint(str(directory), tag=tag, save_latest=False)
+    return Staged(directory, step, json.dumps(trainer_state, indent=2, default=str), writes, rng_state(),
+                  staged or [])
+
+
+def finish(save: Staged, keep_last: int, device, group=None) -> str:
+    """Write what ``save`` staged, then make the tag visible (COMPLETE, ``latest``) once all ranks are done.
+    Returns the tag; raises ``SaveFailed`` on every rank when any rank's writes failed. ``group``: the ranks'
+    collectives go there (a background save's own gloo group, with ``device`` the CPU)."""
+    directory, step, writes, rank = save.directory, save.step, save.writes, dist.get_rank()
+    tag, tag_dir = save.tag, save.directory / save.tag
+    for state, path in save.staged:
+        writes.attempt(writes.engine_save, state, path)
     writes.attempt(_failure_injection_point, step, tag_dir)
-    writes.attempt(torch.save, rng_state(), tag_dir / f"rng_rank{rank:05d}.pt")
+    writes.attempt(torch.save, save.rng, tag_dir / f"rng_rank{rank:05d}.pt")
     _fault_injection_point(step)
-    errors = _ranks_errors(writes.error, device)  # also the barrier: every rank's files are written
+    errors = _ranks_errors(writes.error, device, group)  # also the barrier: every rank's files are written
     if not errors:
         if rank == 0:
-            writes.attempt(write_text_atomically, tag_dir / tags.TRAINER_STATE,
-                           json.dumps(trainer_state, indent=2, default=str))
+            writes.attempt(write_text_atomically, tag_dir / tags.TRAINER_STATE, save.trainer_state)
             writes.attempt(tags.write_manifest, tag_dir, dist.get_world_size())
             writes.attempt(write_text_atomically, directory / tags.LATEST, tag + "\n")
-        errors = _ranks_errors(writes.error, device)  # rank 0's writes: the others have none here
+        errors = _ranks_errors(writes.error, device, group)  # rank 0's writes: the others have none here
     if errors:
         last, free = None, ""
         if rank == 0:
             shutil.rmtree(tag_dir, ignore_errors=True)
             last = tags.latest_complete(directory)
             free = _free_space(directory, last)
-        dist.barrier()  # nobody goes on (or exits) before the partial files are gone
+        dist.barrier(group=group)  # nobody goes on (or exits) before the partial files are gone
         raise SaveFailed(directory, tag, errors, free, last)
     if rank == 0:
         for old in tags.complete_tags(directory)[:-keep_last]:
             shutil.rmtree(directory / old, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=group)
     return tag
+
+
+def save(engine, directory: Path, step: int, trainer_state: dict, keep_last: int) -> str:
+    """Save on every rank and wait for it; the tag becomes visible (COMPLETE, ``latest``) only once all ranks
+    are done. Returns the tag; raises ``SaveFailed`` on every rank when any rank's writes failed."""
+    return finish(stage(engine, directory, step, trainer_state), keep_last, engine.device)
+
+
+@dataclass
+class Finished:
+    """How a background save ended: ``error`` None when its tag is complete."""
+
+    step: int
+    tag: str
+    seconds: float  # from its start in the step loop to its end in the background
+    error: BaseException | None
+
+
+class BackgroundSave:
+    """At most one save in flight, its ``finish`` in a thread of this rank; every rank has one.
+
+    Made on every rank at the same point (its gloo group is made collectively). The thread is a daemon: a
+    process that ends or is killed mid-save leaves the previous checkpoint the newest complete one.
+    """
+
+    def __init__(self, keep_last: int):
+        self.keep_last, self.group = keep_last, dist.new_group(backend="gloo")
+        self._thread: threading.Thread | None = None
+        self._finished: Finished | None = None
+
+    def start(self, save: Staged, started: float) -> None:
+        assert self._thread is None, "wait() for the save in flight first"
+
+        def run():
+            try:
+                tag, error = finish(save, self.keep_last, torch.device("cpu"), self.group), None
+            except Exception as failed:  # noqa: BLE001 -- said by the step loop, at its next wait
+                tag, error = save.tag, failed
+            self._finished = Finished(save.step, tag, time.perf_counter() - started, error)
+
+        self._thread = threading.Thread(target=run, name=f"checkpoint-{save.tag}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """True when a save has ended and ``wait`` returns at once; never waits."""
+        return self._thread is not None and not self._thread.is_alive()
+
+    def wait(self) -> Finished | None:
+        """The save in flight, once it has ended; None when there is none."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread, finished, self._finished = None, self._finished, None
+        return finished
+
+
+class RunSaves:
+    """A run's saves (``checkpoint.*``): waited for, or in the background; said by the logging rank, with how
+    long the step loop waited. ``saved_at``: the step of the last save that is complete or, in the
+    background, still in flight; a failed one leaves it behind, for the next interval or the run's last save
+    to make up for."""
+
+    def __init__(self, engine, cfg, train_steps: int, is_logger: bool, after_save):
+        self.engine, self.directory, self.cfg, self.train_steps = engine, Path(cfg.dir), cfg, train_steps
+        self.is_logger, self.after_save = is_logger, after_save  # after_save(step, tag_dir): the probes
+        self.background = BackgroundSave(cfg.keep_last) if cfg.background else None  # on every rank, here
+        self.saved_at = -1
+
+    def save(self, step: int, trainer_state: dict, final: bool) -> bool:
+        """Save at ``step``; False (on every rank) when it failed. A failed save is a warning and the next
+        interval retries; a failed ``final`` one (the run's last, always waited for) is an error the caller
+        exits on."""
+        started = time.perf_counter()  # what the step loop waits for includes a save still in flight
+        self.finish_background()  # at most one save in flight
+        in_background = self.background is not None and not final
+        try:
+            staged = stage(self.engine, self.directory, step, trainer_state, in_background)
+            if in_background:
+                self.background.start(staged, started)
+                self._say(f"saving checkpoint {self.directory / staged.tag} in the background (the step loop "
+                          f"waited {time.perf_counter() - started:.2f} s)")
+            else:
+                finish(staged, self.cfg.keep_last, self.engine.device)
+                self._saved(step, f"the step loop waited {time.perf_counter() - started:.2f} s")
+        except SaveFailed as error:
+            self._say_failed(error, step, final)
+            return False
+        self.saved_at = step
+        return True
+
+    def poll(self) -> None:
+        """Say a background save that has ended; never waits."""
+        if self.background is not None and self.background.done():
+            self.finish_background()
+
+    def finish_background(self) -> None:
+        """Wait for the save in flight, if any, and say how it ended (the ranks agreed on it)."""
+        finished = self.background.wait() if self.background is not None else None
+        if finished is None:
+            return
+        if finished.error is None:
+            self._saved(finished.step, f"in the background: {finished.seconds:.2f} s from its start")
+            return
+        if not isinstance(finished.error, SaveFailed):
+            raise finished.error
+        self._say_failed(finished.error, finished.step, final=False)
+        if self.saved_at == finished.step:
+            self.saved_at = -1
+
+    def _saved(self, step: int, how: str) -> None:
+        tag_dir = self.directory / tags.tag_for(step)
+        self._say(f"saved checkpoint {tag_dir} ({how})")
+        if self.is_logger:
+            self.after_save(step, tag_dir)
+
+    def _say_failed(self, error: SaveFailed, step: int, final: bool) -> None:
+        interval = self.cfg.interval
+        next_step = min(step - step % interval + interval, self.train_steps)
+        self._say(error.final_line(step) if final else error.retry_line(next_step))
+
+    def _say(self, line: str) -> None:
+        if self.is_logger:
+            print(line, flush=True)
 
 
 def load(engine, directory: Path, tag: str) -> dict:

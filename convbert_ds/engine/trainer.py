@@ -161,6 +161,8 @@ class Trainer:
         self.profiler = StepProfiler(cfg.train.profile, cfg.log_dir, dist.get_rank(), announce=self.is_logger)
         self.probes = DownstreamProbes(cfg.eval.downstream if self.is_logger else DownstreamSection(), cfg.log_dir,
                                        lambda step, row: self.log.write(step, row, prefix="downstream"))
+        self.saves = checkpoint.RunSaves(self.engine, cfg.checkpoint, cfg.train.steps, self.is_logger,
+                                         self.probes.after_save)
 
     def _resume(self):
         if dist.get_rank() == 0:
@@ -342,18 +344,7 @@ class Trainer:
             "zero_stage": self.plan.zero_stage,
             "tokenizer": self.plan.tokenizer, "data_sets": [{"path": str(p), "weight": w} for p, w in self.sets],
         }
-        try:
-            tag = checkpoint.save(self.engine, self.ckpt_dir, self.step, state, self.cfg.checkpoint.keep_last)
-        except checkpoint.SaveFailed as error:
-            if self.is_logger:
-                interval = self.cfg.checkpoint.interval
-                next_step = min(self.step - self.step % interval + interval, self.cfg.train.steps)
-                print(error.final_line(self.step) if final else error.retry_line(next_step), flush=True)
-            return False
-        if self.is_logger:
-            print(f"saved checkpoint {self.ckpt_dir / tag}", flush=True)
-            self.probes.after_save(self.step, self.ckpt_dir / tag)
-        return True
+        return self.saves.save(self.step, state, final)
 
     def train(self, guard: StepGuard) -> int:
         try:
@@ -370,7 +361,7 @@ class Trainer:
         # Counted from this process's first step, not the run's: a resumed run compiles and records anew.
         self.graphs.start(self.step)
         batches = iter(self.train_loader)
-        saved_at, checked_at = self.step, self.step
+        self.saves.saved_at, checked_at = self.step, self.step
         # Throughput is measured between logging steps, whose metric read waits for the device: between
         # them the host runs ahead of the GPU, so one step's host time says nothing.
         timed_from, timed_step = time.perf_counter(), self.step
@@ -395,19 +386,23 @@ class Trainer:
                 self._log_eval()
             self.compile_cache.after_step()  # writes only when this process has built more graphs
             # A failed save leaves saved_at behind: the next interval, or the run's last save, tries again.
-            if interval_save and self.save():
-                saved_at = self.step
+            if interval_save:
+                self.save()
+            else:
+                self.saves.poll()  # a background save is said when it ends, not at the next save
             if evaluating or interval_save:  # not training time: the next throughput starts after them
                 timed_from, timed_step = time.perf_counter(), self.step
             if verdict.preempted:
-                if saved_at != self.step and not self.save(final=True):
+                self.saves.finish_background()
+                if self.saves.saved_at != self.step and not self.save(final=True):
                     return checkpoint.EXIT_NOT_SAVED
                 if self.is_logger:
                     print(f"preempted at step {self.step}: checkpoint saved, exiting with {EXIT_PREEMPTED}",
                           flush=True)
                     self._print_summary()
                 return EXIT_PREEMPTED
-        saved = saved_at == self.step or self.save(final=True)
+        self.saves.finish_background()
+        saved = self.saves.saved_at == self.step or self.save(final=True)
         if cfg.eval.interval and self.step % cfg.eval.interval:
             self._log_eval()
             self.compile_cache.after_step()

@@ -209,6 +209,10 @@ class CheckpointSection:
         "runs/default/checkpoints"
     interval: Annotated[int, Key("steps between checkpoints", min=1)] = 1000
     keep_last: Annotated[int, Key("complete checkpoints kept", min=1)] = 3
+    background: Annotated[bool, Key(
+        "write, hash and commit interval checkpoints in a thread while training goes on (the step loop waits "
+        "only for a copy of the states in host memory); the run's last save and a preemption's wait for it")] = \
+        True
     verify: Annotated[Literal["size", "checksum"], Key(
         "how the checkpoint to resume from is checked against its manifest: size (a stat per file) or "
         "checksum (also sha256: a bit flip does not change a size; about a second per GB, once per start)")] = \

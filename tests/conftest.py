@@ -89,8 +89,8 @@ def pytest_collection_modifyitems(config, items):
     """
     slow = {}
     for item in items:
-        slow[item.fspath] = slow.get(item.fspath, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: -slow[item.fspath])  # stable: a file's tests keep their order
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's tests keep their order
 
 
 _REPORTED: set[str] = set()  # a failing module fixture fails every test that uses it: print its error once

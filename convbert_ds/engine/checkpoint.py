@@ -251,7 +251,6 @@ class Finished:
     """How a background save ended: ``error`` None when its tag is complete."""
 
     step: int
-    tag: str
     seconds: float  # from its start in the step loop to its end in the background
     error: BaseException | None
 
@@ -272,11 +271,12 @@ class BackgroundSave:
         assert self._thread is None, "wait() for the save in flight first"
 
         def run():
+            error = None
             try:
-                tag, error = finish(save, self.keep_last, torch.device("cpu"), self.group), None
+                finish(save, self.keep_last, torch.device("cpu"), self.group)
             except Exception as failed:  # noqa: BLE001 -- said by the step loop, at its next wait
-                tag, error = save.tag, failed
-            self._finished = Finished(save.step, tag, time.perf_counter() - started, error)
+                error = failed
+            self._finished = Finished(save.step, time.perf_counter() - started, error)
 
         self._thread = threading.Thread(target=run, name=f"checkpoint-{save.tag}", daemon=True)
         self._thread.start()

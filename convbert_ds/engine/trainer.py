@@ -328,8 +328,7 @@ class Trainer:
         return {k: packed[i].item() / max(packed[-1].item(), 1) for i, k in enumerate(keys)}
 
     def save(self, final: bool = False) -> bool:
-        """Save a checkpoint; False (on every rank) when it failed. A failed save is a warning and the next
-        interval retries; a failed ``final`` one (the run's last) is an error the caller exits on."""
+        """Save this step's checkpoint with the trainer's state (``RunSaves.save``); False when it failed."""
         state = {
             "step": self.step, "data": self.train_loader.state_dict(), "nonfinite_total": self.nonfinite_total,
             # Totals over every phase of the model (the checkpoint's model has seen all of them).
@@ -345,6 +344,12 @@ class Trainer:
             "tokenizer": self.plan.tokenizer, "data_sets": [{"path": str(p), "weight": w} for p, w in self.sets],
         }
         return self.saves.save(self.step, state, final)
+
+    def _save_last(self) -> bool:
+        """The run's last save (its end, a preemption), unless this step is saved already; False when it
+        failed. A background save still in flight ends first: if it failed, this step is saved again."""
+        self.saves.finish_background()
+        return self.saves.saved_at == self.step or self.save(final=True)
 
     def train(self, guard: StepGuard) -> int:
         try:
@@ -393,16 +398,14 @@ class Trainer:
             if evaluating or interval_save:  # not training time: the next throughput starts after them
                 timed_from, timed_step = time.perf_counter(), self.step
             if verdict.preempted:
-                self.saves.finish_background()
-                if self.saves.saved_at != self.step and not self.save(final=True):
+                if not self._save_last():
                     return checkpoint.EXIT_NOT_SAVED
                 if self.is_logger:
                     print(f"preempted at step {self.step}: checkpoint saved, exiting with {EXIT_PREEMPTED}",
                           flush=True)
                     self._print_summary()
                 return EXIT_PREEMPTED
-        self.saves.finish_background()
-        saved = self.saves.saved_at == self.step or self.save(final=True)
+        saved = self._save_last()
         if cfg.eval.interval and self.step % cfg.eval.interval:
             self._log_eval()
             self.compile_cache.after_step()

@@ -17,8 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # compile (tests/model/test_compile_random.py: 167 s against 97 s scalar, 2 CPU cores).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # For the same reason g++ builds inductor's C++ at -O0 (with debug symbols: torch's one switch for it):
-# scalar kernels, no FMA contraction and no fast math at any level, so the same results, and a step's C++
-# wrapper builds in a third of the time (a 1-layer tiny step's forward: 3.3 s against 10.0 at -O3).
+# scalar kernels, no FMA contraction and no fast math at any level, so no level should round differently
+# (the compiled tests pass with their tolerances unchanged), and a step's C++ wrapper builds in a third of
+# the time (a 1-layer tiny step's forward: 3.3 s against 10.0 s at -O3).
 os.environ.setdefault("TORCHINDUCTOR_DEBUG_COMPILE", "1")
 # One compute thread per pytest-xdist worker (scripts/test.sh runs one worker per core), and in every process
 # a test starts: with each worker's torch on every core, the workers' thread pools contend, and a test that

@@ -7,16 +7,22 @@ name and swapped in by renames, so at every instant the old whole directory or t
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from convbert_ds.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 FORCE_FLAG = "--force"  # the one name, across CLIs, for "replace my non-empty output"
 
@@ -129,3 +135,25 @@ def file_name_part(text: str) -> str:
     """``text`` as one field of a file or directory name: runs of anything but letters, digits and dots
     become one ``_`` (so ``-`` stays free to separate the fields)."""
     return re.sub(r"[^A-Za-z0-9.]+", "_", text)
+
+
+@contextmanager
+def exclusive_lock(lock_path: Path) -> Iterator[bool]:
+    """Hold an exclusive flock on ``lock_path`` (made if absent), so that one process of many builds or fetches
+    something while the others wait; yields False (no lock held) where the filesystem has no locks."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for %s, which another process holds", lock_path.name)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            logger.warning("no file locks on %s (%s): every process does the work itself", lock_path.parent, e)
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock

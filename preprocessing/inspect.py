@@ -1,10 +1,10 @@
 """Look inside token shards: counts, length histograms and a few decoded documents.
 
-``python -m preprocessing.inspect SHARD_DIR`` (a directory with manifest.json)
+``python -m preprocessing.inspect SHARD_DIR`` (a directory with manifest.json, or ``s3://BUCKET/PREFIX``)
 or ``python -m preprocessing.inspect SHARD_DIR/train/shard-00000`` (one shard,
 by prefix or .bin/.idx path). Shards are opened with megatron-core's own
-``IndexedDataset``; the tokenizer comes from the manifest unless ``--tokenizer``
-names one. ``--seq-len L [L ...]`` (default 128 512) prints, per split, how much of
+``IndexedDataset`` (in a store, with its object-storage reader); the tokenizer comes from the manifest
+unless ``--tokenizer`` names one. ``--seq-len L [L ...]`` (default 128 512) prints, per split, how much of
 the samples at each length would be real tokens rather than padding, with documents
 packed into shared samples (``data.pack_documents: true``) and one per sample.
 """
@@ -19,19 +19,27 @@ import numpy as np
 
 from convbert_ds.cli import ArgumentParser, bounded
 from convbert_ds.formats.sample_packing import MIN_SEQ_LEN, document_blocks, framed_lengths, pack_documents
-from convbert_ds.formats.shard_manifest import MANIFEST, read_manifest
+from convbert_ds.formats.shard_manifest import MANIFEST, read_manifest, read_store_manifest
+from convbert_ds.objstore import default_cache_dir, is_url
 from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.shard import summary_table
 from preprocessing.tokenizer import load_tokenizer
+
+STORE_CHUNK_BYTES = 4 << 20  # bytes per ranged read of a .bin in a store
 
 
 def _indexed_dataset(prefix: str):
     with warnings.catch_warnings():
         # megatron-core warns at import about optional GPU libraries (Apex, TE); its import is slow (torch).
         warnings.simplefilter("ignore")
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
+        from megatron.core.datasets.indexed_dataset import IndexedDataset, ObjectStorageConfig
 
-        return IndexedDataset(prefix)
+        if not is_url(prefix):
+            return IndexedDataset(prefix)
+        # One process reads a few documents: megatron's own reader of the format in a store fits (training
+        # reads through convbert_ds/data/remote_shards.py, which says why it does not use it).
+        return IndexedDataset(prefix, mmap=False, object_storage_config=ObjectStorageConfig(
+            path_to_idx_cache=str(default_cache_dir() / "inspect"), bin_chunk_nbytes=STORE_CHUNK_BYTES))
 
 
 def histogram(values: np.ndarray, width: int = 40) -> list[str]:
@@ -108,19 +116,14 @@ def _describe(prefixes: list[str], tokenizer, documents: int, seq_lens: list[int
 
 def inspect_path(path: str, tokenizer_dir: str | None = None, documents: int = 3,
                  seq_lens: tuple[int, ...] = (128, 512)) -> str:
+    if is_url(path):
+        manifest = read_store_manifest(path.rstrip("/"))[1]
+        return _describe_directory(path.rstrip("/"), manifest, tokenizer_dir, documents, seq_lens)
     p = Path(path)
     if p.suffix in (".bin", ".idx"):
         p = p.with_suffix("")
     if (p / MANIFEST).is_file():
-        manifest = read_manifest(p, verify=False)
-        tokenizer = _tokenizer(tokenizer_dir or manifest["tokenizer"]["dir"])
-        out = [f"{p}: tokenizer {manifest['tokenizer']['dir']} ({manifest['tokenizer']['kind']}, "
-               f"vocab {manifest['tokenizer']['vocab_size']:,}, {manifest['dtype']})",
-               summary_table(manifest)]
-        for name, split in manifest["splits"].items():
-            out.append(f"\n[{name}]")
-            out += _describe([str(p / s["prefix"]) for s in split["shards"]], tokenizer, documents, list(seq_lens))
-        return "\n".join(out)
+        return _describe_directory(str(p), read_manifest(p, verify=False), tokenizer_dir, documents, seq_lens)
     if Path(f"{p}.idx").is_file() and Path(f"{p}.bin").is_file():
         if tokenizer_dir is None and (p.parent.parent / MANIFEST).is_file():
             tokenizer_dir = read_manifest(p.parent.parent, verify=False)["tokenizer"]["dir"]
@@ -128,6 +131,18 @@ def inspect_path(path: str, tokenizer_dir: str | None = None, documents: int = 3
         return "\n".join([f"{p}:"] + _describe([str(p)], tokenizer, documents, list(seq_lens)))
     raise PreprocessingError(f"{path}: neither a shard directory (with manifest.json) nor a shard prefix "
                              "(with .bin and .idx)")
+
+
+def _describe_directory(root: str, manifest: dict, tokenizer_dir: str | None, documents: int,
+                        seq_lens: tuple[int, ...]) -> str:
+    tokenizer = _tokenizer(tokenizer_dir or manifest["tokenizer"]["dir"])
+    out = [f"{root}: tokenizer {manifest['tokenizer']['dir']} ({manifest['tokenizer']['kind']}, "
+           f"vocab {manifest['tokenizer']['vocab_size']:,}, {manifest['dtype']})",
+           summary_table(manifest)]
+    for name, split in manifest["splits"].items():
+        out.append(f"\n[{name}]")
+        out += _describe([f"{root}/{s['prefix']}" for s in split["shards"]], tokenizer, documents, list(seq_lens))
+    return "\n".join(out)
 
 
 def _tokenizer(directory: str):
@@ -140,7 +155,8 @@ def _tokenizer(directory: str):
 
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m preprocessing.inspect", description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", metavar="PREFIX_OR_DIR", help="a shard directory, or one shard's prefix/.bin/.idx")
+    parser.add_argument("path", metavar="PREFIX_OR_DIR", help="a shard directory (or s3://BUCKET/PREFIX), or one "
+                        "shard's prefix/.bin/.idx")
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir for decoding; none: the manifest's")
     parser.add_argument("--documents", type=bounded(int, min=0), default=3, help="decoded documents to show per split")
     parser.add_argument("--seq-len", type=bounded(int, min=MIN_SEQ_LEN), nargs="+", default=[128, 512], metavar="L",

@@ -42,12 +42,14 @@ from pathlib import Path
 import numpy as np
 
 from convbert_ds.cli import ArgumentParser, bounded
+from convbert_ds.objstore import is_url
 from convbert_ds.formats.shard_manifest import (
     MANIFEST, PROGRESS, SHARD_FILES, ShardManifestError, check_shard_file, read_manifest, shard_prefix, split_entry,
     write_manifest)
 from convbert_ds.fsutil import FORCE_FLAG, write_json_atomically
 from preprocessing.documents import MAX_LINE_CHARS
 from preprocessing.encode import SPLITS, EncodeOptions, EncoderPool, chunk_bytes, work_units
+from preprocessing import store
 from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.indexed import ShardWriter, commit_shard
 from preprocessing.sources import Source, iter_chunks, parse_slice, plan_slice, range_bytes, resolve_inputs
@@ -213,6 +215,10 @@ def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, work
                    "sources": [[s.path, s.format, s.compression, s.size, s.mtime_ns] for s in sources],
                    "settings": settings}
 
+    store_url = str(out) if is_url(out) else None
+    if store_url:  # staged here, uploaded when complete (preprocessing/store.py)
+        store.check_target(store_url, _digest(fingerprint), overwrite)
+        out = store.staging_dir(store_url)
     root = Path(out)
     if root.exists() and not root.is_dir():  # found by the CLI fuzz tests: mkdir's traceback otherwise
         raise PreprocessingError(f"--out {root} is a file; --out needs a directory (new, or a run to resume)")
@@ -236,6 +242,8 @@ def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, work
             if report:
                 report(f"{root} is already complete")
                 report(summary_table(manifest))
+            if store_url:
+                store.publish(root, store_url, report)
             return manifest
         elif (root / PROGRESS).is_file():
             saved = json.loads((root / PROGRESS).read_text())
@@ -250,6 +258,8 @@ def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, work
         manifest = run.write_manifest()
         if report:
             report(summary_table(manifest, time.perf_counter() - started, run.processed))
+        if store_url:
+            store.publish(root, store_url, report)
         return manifest
 
 
@@ -411,7 +421,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input", nargs="+", action="extend", required=True, metavar="GLOB",
                         help="text/JSONL/JSON/Parquet files, save_to_disk dirs, globs; .gz/.bz2/.xz/.zst ok")
     parser.add_argument("--tokenizer", required=True, help="tokenizer dir (preprocessing.tokenizer, or a HF one)")
-    parser.add_argument("--out", required=True, help="shard directory to write (or resume)")
+    parser.add_argument("--out", required=True, help="shard directory to write (or resume), or s3://BUCKET/PREFIX "
+                        "(staged in ~/.cache/convbert_ds/staging, then uploaded)")
     parser.add_argument("--workers", type=bounded(int, min=0), default=default_workers(),
                         help="tokenizer processes (0: tokenize in this process); the default is all cores")
     parser.add_argument("--shard-tokens", type=bounded(int, min=1), default=DEFAULT_SHARD_TOKENS,

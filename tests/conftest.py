@@ -1,8 +1,9 @@
 """Test-wide settings (offline hubs, Triton's CPU interpreter when there is no GPU) and the fixtures several
-test folders share: ``tiny_corpus`` (real preprocessing output) and ``cluster`` (a real Slurm cluster).
+test folders share: ``tiny_corpus`` (real preprocessing output), ``cluster`` (a real Slurm cluster) and
+``s3`` (a real S3-compatible server).
 
 The folders mirror the package; shared helpers sit here at the top (``launch.py``, ``shard_factory.py``,
-``slurm_cluster.py``). TRITON_INTERPRET must be set before triton compiles anything, hence here.
+``slurm_cluster.py``, ``object_store.py``). TRITON_INTERPRET must be set before triton compiles anything, hence here.
 """
 
 import os
@@ -64,6 +65,23 @@ def cluster(tmp_path_factory):
             yield slurm
     except SlurmUnavailable as error:  # only start() raises it: no slurm-wlm and no way to install it
         pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server on loopback (tests/object_store.py), started once for the session."""
+    from object_store import S3Server
+
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The session's S3 server, its variables set for this test and every process it starts."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return s3_server
 
 
 @pytest.fixture(autouse=True)

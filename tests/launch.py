@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from convbert_ds.engine.distributed import free_port
@@ -75,8 +76,9 @@ def _zygote_socket() -> str:
     return _zygote["socket"]
 
 
-def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run with the whole process group killed on timeout.
+def run_group(command: list[str], timeout: float, on_line=None, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run with the whole process group killed on timeout; ``on_line(line)`` sees each line of
+    stdout as it comes (to act at a point of the run).
 
     A launcher's ranks are its grandchildren: killing only the launcher (what subprocess.run does) leaves
     ranks blocked in a collective, holding cores and memory, and every later test then runs slower.
@@ -87,8 +89,29 @@ def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.Comple
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
 
+    def communicate() -> tuple[str, str]:
+        if on_line is None:
+            return process.communicate(timeout=timeout)
+        lines, errors = [], []
+
+        def watch() -> None:
+            for line in process.stdout:
+                lines.append(line)
+                on_line(line)
+        threads = [threading.Thread(target=watch), threading.Thread(target=lambda: errors.append(process.stderr.read()))]
+        for thread in threads:
+            thread.start()
+        try:
+            process.wait(timeout=timeout)
+        finally:
+            if process.poll() is None:  # timed out: the outer handler says so
+                kill_group()
+            for thread in threads:
+                thread.join()
+        return "".join(lines), "".join(errors)
+
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        stdout, stderr = communicate()
     except subprocess.TimeoutExpired:
         kill_group()
         stdout, stderr = process.communicate()
@@ -115,12 +138,12 @@ def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.Comple
 NOT_THE_SUBJECT = "ranks"
 
 
-def run_training(run_dir: Path, shards: Path, *overrides: str, launcher: str = "deepspeed", nproc: int = 2,
-                 extra_env: dict | None = None, timeout: int = 420) -> subprocess.CompletedProcess:
+def run_training(run_dir: Path, shards: Path | str, *overrides: str, launcher: str = "deepspeed", nproc: int = 2,
+                 extra_env: dict | None = None, timeout: int = 420, on_line=None) -> subprocess.CompletedProcess:
     command = train_command(launcher, nproc) + [
         "--config", str(TINY_CONFIG), f"data.sets=[{{path: '{shards}', weight: 1.0}}]",
         f"checkpoint.dir={run_dir / 'checkpoints'}", f"log.dir={run_dir / 'logs'}", "log.interval=1", *overrides]
-    return run_group(command, timeout, cwd=REPO, env={**env(), **(extra_env or {})})
+    return run_group(command, timeout, on_line, cwd=REPO, env={**env(), **(extra_env or {})})
 
 
 def train_metrics(run_dir: Path) -> list[dict]:

@@ -374,8 +374,9 @@ def test_every_command_resolves(command, tiny_corpus, tmp_path):
     if not resolution.training or args is None or args.config is None:
         return
     load_config(REPO / args.config, args.overrides)  # the command's own values, its data.sets included
-    # The tests' corpus stands in for the user's shards; a phase 2's phase 1 exists only after that run.
-    overrides = [o for o in args.overrides if not o.startswith(("data.sets=", "checkpoint.dir="))]
+    # The tests' corpus stands in for the user's shards; a phase 2's phase 1 exists only after that run; the
+    # user's object store is not there.
+    overrides = [o for o in args.overrides if not o.startswith(("data.sets=", "checkpoint.dir=", "checkpoint.mirror="))]
     cfg = load_config(REPO / args.config, overrides + [
         f"data.sets=[{{path: '{tiny_corpus['shards']}', weight: 1.0}}]",
         f"checkpoint.dir={tmp_path / 'checkpoints'}", "phase.continue_from=null"])

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from convbert_ds.config import ConfigError, ElectraConfig
 from convbert_ds.formats.checkpoint import directory as tags
+from convbert_ds.formats.checkpoint import store as checkpoint_store
 from convbert_ds.formats.checkpoint.names import meta_model, pipeline_layer_names, pipeline_to_plain
 from convbert_ds.formats.checkpoint.universal import META, Layout
 from convbert_ds.formats.init_dir import ConvertError, match_weights
@@ -31,6 +32,7 @@ from convbert_ds.formats.safe_pickle import check_directory, forced_weights_only
 from convbert_ds.model import WeightsError
 from convbert_ds.model.optim import param_groups
 from convbert_ds.model.tied import fill_tied
+from convbert_ds.objstore import is_url
 
 @dataclass
 class Checkpoint:
@@ -53,7 +55,10 @@ class Checkpoint:
 
 
 def open_checkpoint(checkpoint_dir, tag: str | None = None) -> Checkpoint:
-    """The trainer's ``checkpoint.dir`` (or one tag directory in it) and a tag (default: newest complete)."""
+    """The trainer's ``checkpoint.dir`` (or one tag directory in it) and a tag (default: newest complete).
+    A store URL (``checkpoint.mirror``, or one tag in it) is downloaded into the local cache first."""
+    if is_url(checkpoint_dir):
+        checkpoint_dir, tag = checkpoint_store.local_copy(str(checkpoint_dir), tag)
     root = Path(checkpoint_dir)
     if not root.is_dir():
         raise ConvertError(f"checkpoint directory {root} does not exist")

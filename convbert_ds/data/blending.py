@@ -130,7 +130,7 @@ def describe_blend(dataset, run_samples: int) -> list[str]:
     lines = []
     for d, fraction in zip(datasets, fractions):
         drawn = fraction * run_samples
-        lines.append(f"{d.source.shard_dir}: {fraction:.1%} of the samples, {drawn:,.0f} of its {len(d):,} "
+        lines.append(f"{d.source.origin}: {fraction:.1%} of the samples, {drawn:,.0f} of its {len(d):,} "
                      f"= {drawn / len(d):.2f} epochs; real tokens: {d.real_token_fraction():.1%} of "
                      f"{d.seq_len} x {len(d):,} samples")
     return lines

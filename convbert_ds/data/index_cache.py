@@ -19,21 +19,19 @@ Why it is safe when hundreds of ranks start at once:
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
 import os
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from convbert_ds.errors import UserError
+from convbert_ds.fsutil import exclusive_lock
 
 logger = logging.getLogger(__name__)
 
@@ -130,27 +128,6 @@ def _try_load(path: Path, key: str, dtype: np.dtype) -> CachedIndex | None:
         return None
 
 
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[bool]:
-    """Hold an exclusive flock; yields False (no lock held) where the filesystem has none."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("waiting for %s, which another process is building", lock_path.stem)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
-            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-            logger.warning("no file locks on %s (%s): every process builds its own copy", lock_path.parent, e)
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
 def _write(path: Path, key: str, dtype: np.dtype, build: Callable[[RecordWriter], dict]) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
@@ -184,7 +161,7 @@ def load_or_build(path: Path, key: str, dtype: np.dtype,
         return cached
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _exclusive(path.with_name(path.name + ".lock")) as locked:
+        with exclusive_lock(path.with_name(path.name + ".lock")) as locked:
             cached = _try_load(path, key, dtype)  # another process may have built it meanwhile
             if cached is not None:
                 return cached

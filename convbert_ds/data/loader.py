@@ -22,18 +22,21 @@ import numpy as np
 import torch
 
 from convbert_ds.config import ConfigError
+from convbert_ds.objstore import is_url
 from convbert_ds.data.blending import BlendedDataset
 from convbert_ds.data.cross_document import CrossDocumentDataset
 from convbert_ds.data.packing import PackedDataset, check_seq_len
 from convbert_ds.data.sampler import EvalSampler, PretrainingSampler
+from convbert_ds.data.remote_shards import DEFAULT_LIMIT_GB
 from convbert_ds.data.shards import check_same_tokenizer, open_split
 
 TRAIN_SPLIT = "train"
 
 
-def parse_sets(sets) -> list[tuple[Path, float]]:
+def parse_sets(sets) -> list[tuple[Path | str, float]]:
     """``data.sets`` entries: ``{path, weight}`` mappings, ``(path, weight)`` pairs (this function's own
-    output: parsing it again changes nothing), or bare paths."""
+    output: parsing it again changes nothing), or bare paths. A path is a directory or a store URL (kept as
+    the string: ``s3://BUCKET/PREFIX``)."""
     if not sets:
         raise ConfigError("data.sets is empty; list at least one shard directory as {path: DIR, weight: 1.0}")
     parsed = []
@@ -55,13 +58,13 @@ def parse_sets(sets) -> list[tuple[Path, float]]:
             weight = math.nan
         if not math.isfinite(weight) or weight <= 0:
             raise ConfigError(f"data.sets[{i}].weight must be a positive number (got {weight!r})")
-        parsed.append((Path(path), weight))
+        parsed.append((str(path) if is_url(path) else Path(path), weight))
     return parsed
 
 
 def build_dataset(sets, split: str, seq_len: int, seed: int = 1234, num_samples: int | None = None,
                   cache_dir: str | os.PathLike | None = None, progress: bool = True,
-                  size_exponent: float = 0.0, pack_documents: bool = False
+                  size_exponent: float = 0.0, pack_documents: bool = False, cache_limit_gb: float = DEFAULT_LIMIT_GB
                   ) -> PackedDataset | CrossDocumentDataset | BlendedDataset:
     """One dataset over ``split`` of every set; blended when there are several, set ``i`` drawn in
     proportion to ``weight_i x len(set_i) ** size_exponent`` (temperature sampling; 0: the weights alone).
@@ -71,7 +74,7 @@ def build_dataset(sets, split: str, seq_len: int, seed: int = 1234, num_samples:
     """
     check_seq_len(seq_len)
     parsed = parse_sets(sets)
-    splits = [open_split(path, split) for path, _ in parsed]
+    splits = [open_split(path, split, cache_dir, cache_limit_gb) for path, _ in parsed]
     check_same_tokenizer(splits)
     kind = CrossDocumentDataset if pack_documents else PackedDataset
     datasets = [kind(s, seq_len=seq_len, seed=seed, cache_dir=cache_dir, progress=progress) for s in splits]
@@ -128,7 +131,7 @@ def build_dataloader(sets, split: str = TRAIN_SPLIT, *, seq_len: int, micro_batc
                      num_workers: int = 0, pin_memory: bool = False, num_samples: int | None = None,
                      max_samples: int | None = None, cache_dir: str | os.PathLike | None = None,
                      progress: bool = True, size_exponent: float = 0.0,
-                     pack_documents: bool = False) -> PretrainingDataLoader:
+                     pack_documents: bool = False, cache_limit_gb: float = DEFAULT_LIMIT_GB) -> PretrainingDataLoader:
     """Build the loader for ``split`` of ``sets`` (``data.sets``: ``[{path, weight}, ...]``).
 
     ``split == "train"``: endless, shuffled per epoch, resumable at ``consumed_samples``.
@@ -136,9 +139,11 @@ def build_dataloader(sets, split: str = TRAIN_SPLIT, *, seq_len: int, micro_batc
     evenly spaced over the split), identical on every evaluation.
     ``pack_documents``: batches also hold ``document_ids`` (several documents per sample).
     ``num_samples`` sizes the blend of several sets (default: their total size).
+    Sets in a store (URLs) are cached in ``cache_dir``, their token blocks within ``cache_limit_gb``.
     """
     dataset = build_dataset(sets, split, seq_len, seed=seed, num_samples=num_samples, cache_dir=cache_dir,
-                            progress=progress, size_exponent=size_exponent, pack_documents=pack_documents)
+                            progress=progress, size_exponent=size_exponent, pack_documents=pack_documents,
+                            cache_limit_gb=cache_limit_gb)
     if split == TRAIN_SPLIT:
         sampler = PretrainingSampler(len(dataset), micro_batch_size, dp_rank, dp_size, seed,
                                      consumed_samples=consumed_samples)

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from convbert_ds.config import ConfigError
 from convbert_ds.data.index_cache import MappedRecords, RecordWriter, load_or_build
+from convbert_ds.data.remote_shards import RemoteTokens
 from convbert_ds.data.shards import CACHE_SUBDIR, ShardSplit, open_split
 from convbert_ds.formats.sample_packing import (MIN_SEQ_LEN, SAMPLE_DTYPE, document_blocks, framed_lengths,
                                                 pack_documents)
@@ -52,7 +53,9 @@ def _pack_shard(split: ShardSplit, shard_no: int, seq_len: int, seed: int, write
     from megatron.core.datasets.indexed_dataset import IndexedDataset  # slow import: only when building
 
     shard = split.shards[shard_no]
-    ds = IndexedDataset(str(shard.prefix), mmap=False)  # index only; megatron cannot mmap an empty .bin
+    # The index only (megatron cannot mmap an empty .bin). A store's .bin is not on this disk: fast_cache_load
+    # skips megatron's check that it is (the counts are checked against the manifest just below).
+    ds = IndexedDataset(str(shard.prefix), mmap=False, fast_cache_load=shard.remote is not None)
     index = ds.index
     docs, lengths, pointers = index.document_indices, index.sequence_lengths, index.sequence_pointers
     found = (len(docs) - 1, len(lengths), int(lengths.sum(dtype=np.int64)), np.dtype(index.dtype))
@@ -109,17 +112,17 @@ class PackedDataset(MappedRecords, torch.utils.data.Dataset):
         self._attach(load_or_build(path, self.key, SAMPLE_DTYPE, lambda writer: self._build(writer, progress)))
         self._bins: list[np.ndarray] | None = None
         if len(self) == 0:
-            raise ConfigError(f"{self.source.shard_dir}: split {self.source.split!r} packs into no samples")
+            raise ConfigError(f"{self.source.origin}: split {self.source.split!r} packs into no samples")
 
     def _build(self, writer: RecordWriter, progress: bool) -> dict:
         t0 = time.time()
         total = sum(s.sequences for s in self.source.shards)
-        desc = f"packing {self.source.shard_dir.name}/{self.source.split} (seq_len {self.seq_len})"
+        desc = f"packing {Path(self.source.origin).name}/{self.source.split} (seq_len {self.seq_len})"
         with tqdm(total=total, desc=desc, unit="sent", unit_scale=True, disable=not progress) as bar:
             for shard_no in range(len(self.source.shards)):
                 _pack_shard(self.source, shard_no, self.seq_len, self.seed, writer, bar)
-        logger.info("built %s sample index: %d samples from %d sentences in %.1fs",
-                    self.source.shard_dir / self.source.split, writer.count, total, time.time() - t0)
+        logger.info("built %s/%s sample index: %d samples from %d sentences in %.1fs",
+                    self.source.origin, self.source.split, writer.count, total, time.time() - t0)
         return {"shard_dir": str(self.source.shard_dir), "split": self.source.split, "seq_len": self.seq_len}
 
     @property
@@ -132,8 +135,9 @@ class PackedDataset(MappedRecords, torch.utils.data.Dataset):
 
     def _shard_tokens(self, shard: int) -> np.ndarray:
         if self._bins is None:
-            self._bins = [np.memmap(s.bin_path, dtype=s.dtype, mode="r") if s.tokens else np.empty(0, s.dtype)
-                          for s in self.source.shards]
+            self._bins = [np.empty(0, s.dtype) if not s.tokens else
+                          RemoteTokens(s.remote, s.dtype, s.tokens * s.dtype.itemsize, s.sha256["bin"]) if s.remote
+                          else np.memmap(s.bin_path, dtype=s.dtype, mode="r") for s in self.source.shards]
         return self._bins[shard]
 
     def tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:

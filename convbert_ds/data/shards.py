@@ -15,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from convbert_ds import objstore
 from convbert_ds.config import ConfigError
+from convbert_ds.data.remote_shards import DEFAULT_LIMIT_GB, RemoteBin, StoreCache, mirror, open_bin
 from convbert_ds.formats.shard_manifest import (MANIFEST, SHARD_FILES, ShardManifestError, check_shard_file,
                                                 read_manifest)
 from convbert_ds.fsutil import write_json_atomically
@@ -30,6 +32,7 @@ class Shard:
     sequences: int
     tokens: int
     sha256: dict
+    remote: RemoteBin | None = None  # a .bin in an object store (its .idx is in the local mirror)
 
     @property
     def bin_path(self) -> Path:
@@ -48,30 +51,47 @@ class Shard:
 class ShardSplit:
     """One split ("train", "valid", ...) of one shard directory."""
 
-    shard_dir: Path
+    shard_dir: Path  # for a store URL, the local mirror of its manifest and index files (remote_shards.py)
     split: str
     shards: tuple[Shard, ...]
     tokenizer: dict
     special_ids: dict
     vocab_size: int
+    origin: str = ""  # as data.sets names it: the directory or the store URL
 
 
-def open_split(shard_dir: str | os.PathLike, split: str) -> ShardSplit:
-    """Read and check ``shard_dir/manifest.json`` for ``split``; every shard file must exist, whole."""
-    shard_dir = Path(shard_dir).resolve()
-    manifest = read_manifest(shard_dir, verify=False)
-    manifest_path = shard_dir / MANIFEST
+def open_manifest(shard_dir: str | os.PathLike, cache: StoreCache, splits: tuple[str, ...] | None = None
+                  ) -> tuple[Path, dict, str]:
+    """A shard directory's local root (for a store URL: the mirror), its checked manifest, and the manifest's
+    name for messages; local files of every split are checked by size, a store's index files of ``splits``."""
+    if objstore.is_url(shard_dir):
+        root, manifest = mirror(str(shard_dir), cache, splits)
+        return root, manifest, str(objstore.Url.parse(str(shard_dir)).join(MANIFEST))
+    root = Path(shard_dir).resolve()
+    return root, read_manifest(root, verify=False), str(root / MANIFEST)
+
+
+def open_split(shard_dir: str | os.PathLike, split: str, cache_dir: str | os.PathLike | None = None,
+               cache_limit_gb: float = DEFAULT_LIMIT_GB) -> ShardSplit:
+    """Read and check ``shard_dir/manifest.json`` for ``split``; every shard file must exist, whole.
+    ``shard_dir`` may be a store URL (``s3://BUCKET/PREFIX``): its files are cached under ``cache_dir``."""
+    cache = StoreCache.at(cache_dir, cache_limit_gb)
+    url = str(shard_dir) if objstore.is_url(shard_dir) else None
+    root, manifest, manifest_path = open_manifest(shard_dir, cache, (split,))
+    origin = url or str(root)
     if split not in manifest["splits"]:
         raise ShardManifestError(f"{manifest_path}: no split {split!r} (has {sorted(manifest['splits'])}); "
                                  f"shard the corpus with a {split!r} split")
-    shards = tuple(Shard(prefix=shard_dir / e["prefix"], name=e["prefix"], dtype=np.dtype(e["dtype"]),
+    shards = tuple(Shard(prefix=root / e["prefix"], name=e["prefix"], dtype=np.dtype(e["dtype"]),
                          documents=int(e["documents"]), sequences=int(e["sequences"]), tokens=int(e["tokens"]),
-                         sha256=dict(e["sha256"])) for e in manifest["splits"][split]["shards"])
+                         sha256=dict(e["sha256"]), remote=open_bin(url, e, cache) if url else None)
+                   for e in manifest["splits"][split]["shards"])
     if sum(s.documents for s in shards) == 0 or sum(s.tokens for s in shards) == 0:
         raise ShardManifestError(f"{manifest_path}: split {split!r} has no documents; shard a corpus that "
-                                 f"gives it some, or drop {shard_dir} from data.sets")
+                                 f"gives it some, or drop {origin} from data.sets")
     tokenizer = manifest["tokenizer"]
-    return ShardSplit(shard_dir, split, shards, tokenizer, dict(tokenizer["special_ids"]), int(tokenizer["vocab_size"]))
+    return ShardSplit(root, split, shards, tokenizer, dict(tokenizer["special_ids"]), int(tokenizer["vocab_size"]),
+                      origin=origin)
 
 
 def check_same_tokenizer(splits: list[ShardSplit]) -> None:
@@ -82,7 +102,7 @@ def check_same_tokenizer(splits: list[ShardSplit]) -> None:
         b = (other.tokenizer.get("sha256"), other.vocab_size, other.special_ids)
         if a != b:
             raise ConfigError(
-                f"data.sets {first.shard_dir} and {other.shard_dir} use different tokenizers "
+                f"data.sets {first.origin} and {other.origin} use different tokenizers "
                 f"(sha256 {a[0]} vs {b[0]}, vocab_size {a[1]} vs {b[1]}); shard every set with "
                 f"the same tokenizer dir")
 
@@ -92,7 +112,7 @@ VERIFIED_STAMP = "verified.json"
 
 
 def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
-                     trust_stamp: bool = True) -> int:
+                     trust_stamp: bool = True, cache_limit_gb: float = DEFAULT_LIMIT_GB) -> int:
     """Compare every shard file of ``shard_dir`` with the sha256 its manifest lists; returns the bytes hashed.
 
     A bit flip keeps a file's size, and a flipped token id or index entry would surface hours later as a
@@ -101,27 +121,40 @@ def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike 
     ``VERIFIED_STAMP``, or one per shard dir in ``cache_dir``), and a later start hashes only files changed
     since. A stamp that cannot be written (a read-only directory) costs a re-hash next time, nothing else.
     The stamp trusts a file whose size and mtime are unchanged; ``trust_stamp=False`` (``data.verify:
-    always``) hashes every file anyway, for storage that may rot bits in place.
+    always``) hashes every file anyway, for storage that may rot bits in place. In a store (a URL), a
+    ``.bin`` is streamed through the hash and its stamp holds the object's ETag in place of the mtime.
     """
-    root = Path(shard_dir)
+    url = str(shard_dir) if objstore.is_url(shard_dir) else None
+    cache = StoreCache.at(cache_dir, cache_limit_gb)
+    root, manifest, manifest_path = open_manifest(shard_dir, cache)
     # Several sets may share data.cache_dir, and their shard files have the same relative names.
     stamp_path = root / CACHE_SUBDIR / VERIFIED_STAMP if cache_dir is None else \
-        Path(cache_dir) / f"verified-{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
+        Path(cache_dir) / f"verified-{hashlib.sha256((url or str(root)).encode()).hexdigest()[:16]}.json"
     try:
         stamp = json.loads(stamp_path.read_text())
     except (OSError, ValueError):
         stamp = {}
-    manifest, hashed, changed = read_manifest(root, verify=False), 0, False
+    hashed, changed = 0, False
     for split in manifest["splits"].values():
         for shard in split["shards"]:
             for ext in SHARD_FILES:
-                file = root / f"{shard['prefix']}.{ext}"
-                stat = file.stat()
-                key, seen = f"{shard['prefix']}.{ext}", [stat.st_size, stat.st_mtime_ns, shard["sha256"][ext]]
+                key, expected = f"{shard['prefix']}.{ext}", shard["sha256"][ext]
+                if url and ext == "bin":
+                    remote = open_bin(url, shard, cache)
+                    size, seen = shard["bytes"][ext], [shard["bytes"][ext], remote.etag, expected]
+                else:
+                    file = root / key
+                    stat = file.stat()
+                    size, seen = stat.st_size, [stat.st_size, stat.st_mtime_ns, expected]
                 if trust_stamp and stamp.get(key) == seen:
                     continue
-                check_shard_file(file, shard, ext, root / MANIFEST, verify=True)
-                hashed += stat.st_size
+                if url and ext == "bin":
+                    if objstore.sha256(remote.url, remote.etag) != expected:
+                        raise ShardManifestError(f"{remote.url}: sha256 differs from {manifest_path} (corrupted or "
+                                                 f"replaced); upload the shard directory again")
+                else:
+                    check_shard_file(file, shard, ext, manifest_path, verify=True)
+                hashed += size
                 stamp[key], changed = seen, True
     if changed:
         with contextlib.suppress(OSError):

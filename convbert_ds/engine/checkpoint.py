@@ -20,6 +20,10 @@ agreement, the manifest and ``latest``). ``save`` runs both in turn. With ``chec
 and ``BackgroundSave`` runs ``finish`` in a thread while training goes on, its collectives on a gloo group of
 their own. ``latest`` and COMPLETE are still written last, so a kill during a background save leaves the
 previous checkpoint the newest complete one.
+
+With ``checkpoint.mirror`` (an object-store URL), rank 0 then uploads the complete tag (in the same thread for
+a background save) and only after that prunes ``checkpoint.dir``: the layout in the store, and why a tag there
+is complete only with its COMPLETE, is ``convbert_ds.formats.checkpoint.store``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch.distributed as dist
 
 from convbert_ds.errors import first_line
 from convbert_ds.formats.checkpoint import directory as tags
+from convbert_ds.formats.checkpoint import store as checkpoint_store
 from convbert_ds.formats.checkpoint.rng import load_rng_file, rng_state, set_rng_state
 from convbert_ds.formats.safe_pickle import check_directory, deepspeed_loads_weights_only
 from convbert_ds.fsutil import write_text_atomically
@@ -207,10 +212,11 @@ def stage(engine, directory: Path, step: int, trainer_state: dict, background: b
                   staged or [])
 
 
-def finish(save: Staged, keep_last: int, device, group=None) -> str:
+def finish(save: Staged, keep_last: int, device, group=None, mirror: str | None = None) -> str:
     """Write what ``save`` staged, then make the tag visible (COMPLETE, ``latest``) once all ranks are done.
     Returns the tag; raises ``SaveFailed`` on every rank when any rank's writes failed. ``group``: the ranks'
-    collectives go there (a background save's own gloo group, with ``device`` the CPU)."""
+    collectives go there (a background save's own gloo group, with ``device`` the CPU). ``mirror``: a store
+    URL rank 0 then uploads the tag to (``_commit_to_store``)."""
     directory, step, writes, rank = save.directory, save.step, save.writes, dist.get_rank()
     tag, tag_dir = save.tag, save.directory / save.tag
     for state, path in save.staged:
@@ -233,11 +239,26 @@ def finish(save: Staged, keep_last: int, device, group=None) -> str:
             free = _free_space(directory, last)
         dist.barrier(group=group)  # nobody goes on (or exits) before the partial files are gone
         raise SaveFailed(directory, tag, errors, free, last)
-    if rank == 0:
-        for old in tags.complete_tags(directory)[:-keep_last]:
-            shutil.rmtree(directory / old, ignore_errors=True)
     dist.barrier(group=group)
+    if rank == 0:  # the other ranks go on: nothing they do next reads the store or the older tags
+        _commit_to_store(directory, tag, keep_last, mirror)
     return tag
+
+
+def _commit_to_store(directory: Path, tag: str, keep_last: int, mirror: str | None) -> None:
+    """Rank 0, once ``tag`` is complete: upload it to ``mirror``, then apply ``keep_last`` to the store and to
+    ``directory``. A failed upload deletes nothing: the older tags on disk stay until a later upload completes."""
+    if mirror:
+        try:
+            sent, seconds = checkpoint_store.upload_tag(directory, tag, mirror)
+            checkpoint_store.prune(mirror, checkpoint_store.complete_tags(mirror)[-keep_last:])
+        except OSError as error:  # a StoreError, or a local file that could not be read
+            print(f"warning: checkpoint {tag} is complete in {directory} but not in {mirror} ({first_line(error)}); "
+                  f"the checkpoints on this disk are kept until a later save's upload completes", flush=True)
+            return
+        print(f"uploaded checkpoint {tag} to {mirror} ({_bytes(sent)} in {seconds:.1f} s)", flush=True)
+    for old in tags.complete_tags(directory)[:-keep_last]:
+        shutil.rmtree(directory / old, ignore_errors=True)
 
 
 def save(engine, directory: Path, step: int, trainer_state: dict, keep_last: int) -> str:
@@ -262,8 +283,8 @@ class BackgroundSave:
     process that ends or is killed mid-save leaves the previous checkpoint the newest complete one.
     """
 
-    def __init__(self, keep_last: int):
-        self.keep_last, self.group = keep_last, dist.new_group(backend="gloo")
+    def __init__(self, keep_last: int, mirror: str | None = None):
+        self.keep_last, self.mirror, self.group = keep_last, mirror, dist.new_group(backend="gloo")
         self._thread: threading.Thread | None = None
         self._finished: Finished | None = None
 
@@ -273,7 +294,7 @@ class BackgroundSave:
         def run():
             error = None
             try:
-                finish(save, self.keep_last, torch.device("cpu"), self.group)
+                finish(save, self.keep_last, torch.device("cpu"), self.group, self.mirror)
             except Exception as failed:  # noqa: BLE001 -- said by the step loop, at its next wait
                 error = failed
             self._finished = Finished(save.step, time.perf_counter() - started, error)
@@ -303,7 +324,7 @@ class RunSaves:
     def __init__(self, engine, cfg, train_steps: int, is_logger: bool, after_save):
         self.engine, self.directory, self.cfg, self.train_steps = engine, Path(cfg.dir), cfg, train_steps
         self.is_logger, self.after_save = is_logger, after_save  # after_save(step, tag_dir): the probes
-        self.background = BackgroundSave(cfg.keep_last) if cfg.background else None  # on every rank, here
+        self.background = BackgroundSave(cfg.keep_last, cfg.mirror) if cfg.background else None  # every rank, here
         self.saved_at = -1
 
     def save(self, step: int, trainer_state: dict, final: bool) -> bool:
@@ -320,7 +341,7 @@ class RunSaves:
                 self._say(f"saving checkpoint {self.directory / staged.tag} in the background (the step loop "
                           f"waited {time.perf_counter() - started:.2f} s)")
             else:
-                finish(staged, self.cfg.keep_last, self.engine.device)
+                finish(staged, self.cfg.keep_last, self.engine.device, mirror=self.cfg.mirror)
                 self._saved(step, f"the step loop waited {time.perf_counter() - started:.2f} s")
         except SaveFailed as error:
             self._say_failed(error, step, final)

@@ -19,19 +19,21 @@ import torch
 from convbert_ds.config import (ConfigError, ElectraConfig, ModelConfig, generator_config, preset,
                                 preset_generator_multiplier)
 from convbert_ds.data.loader import parse_sets
-from convbert_ds.data.shards import check_same_tokenizer, open_split, verify_checksums
+from convbert_ds.data.remote_shards import StoreCache
+from convbert_ds.data.shards import check_same_tokenizer, open_manifest, open_split, verify_checksums
 from convbert_ds.engine import distributed
 from convbert_ds.engine.compile_options import inductor_options
 from convbert_ds.engine.compile_plan import check_compile
 from convbert_ds.engine.pipeline import check_pipeline_ds_config
+from convbert_ds.formats.checkpoint import store as checkpoint_store
 from convbert_ds.formats.checkpoint.directory import COMPLETE, latest_complete, read_trainer_state
 from convbert_ds.formats.checkpoint.names import pipeline_layer_names
 from convbert_ds.formats.checkpoint.universal import Layout
-from convbert_ds.formats.train_config import PROFILE_KINDS, TrainConfig
-from convbert_ds.formats.shard_manifest import read_manifest
+from convbert_ds.formats.train_config import PROFILE_KINDS, DataSection, TrainConfig
 from convbert_ds.formats.init_dir import init_generator_config, init_model_config, read_init
 from convbert_ds.errors import UserError
 from convbert_ds.fsutil import read_json
+from convbert_ds.objstore import StoreError, Url, is_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -318,14 +320,26 @@ def _check_combinations(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
     return micro, t.global_batch_size // per_step
 
 
-def _has_valid(path: Path) -> bool:
+def _check_store_urls(cfg: TrainConfig) -> None:
+    if is_url(cfg.checkpoint.dir):
+        raise ConfigError(f"checkpoint.dir={cfg.checkpoint.dir!r}: DeepSpeed writes checkpoints to a directory; keep "
+                          f"one on this disk and set checkpoint.mirror={cfg.checkpoint.dir!r} to upload them there")
+    if cfg.checkpoint.mirror is not None:
+        try:
+            Url.parse(cfg.checkpoint.mirror)
+        except StoreError as error:
+            raise ConfigError(f"checkpoint.mirror={cfg.checkpoint.mirror!r}: {error}") from None
+
+
+def _has_valid(path: Path | str, data: DataSection) -> bool:
     """Whether a shard dir has documents to evaluate on; a damaged validation split is an error, not a
     reason to run without evaluation."""
-    split = read_manifest(path, verify=False)["splits"].get("valid")
+    cache = StoreCache.at(data.cache_dir, data.cache_limit_gb)
+    split = open_manifest(path, cache, splits=())[1]["splits"].get("valid")
     if not (split and split["documents"]):
         return False
-    open_split(path, "valid")  # raises, naming the damage, if a shard file is missing or truncated
-    return True
+    open_split(path, "valid", data.cache_dir, data.cache_limit_gb)  # raises, naming the damage, if a shard
+    return True  # file is missing or truncated
 
 
 def _differences(saved, now, path: str = "") -> list[str]:
@@ -425,12 +439,13 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
                                                  whole_fp32_grads(ds_config, cfg.pipeline.stages, precision))
     compile_options = inductor_options(cfg)
     sets = parse_sets(cfg.data.sets)
-    train_splits = [open_split(path, "train") for path, _ in sets]
+    train_splits = [open_split(path, "train", cfg.data.cache_dir, cfg.data.cache_limit_gb) for path, _ in sets]
     if cfg.data.verify != "size" and distributed.rank() == 0:
         # Rank 0 alone reads every byte (once per file unless "always", see verify_checksums); the others
         # check sizes.
         for path, _ in sets:
-            verify_checksums(path, cfg.data.cache_dir, trust_stamp=cfg.data.verify == "checksum")
+            verify_checksums(path, cfg.data.cache_dir, trust_stamp=cfg.data.verify == "checksum",
+                             cache_limit_gb=cfg.data.cache_limit_gb)
     check_same_tokenizer(train_splits)
     first = train_splits[0]
     init, recorded = cfg.model.init_from_hf, None
@@ -447,6 +462,11 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     if cfg.pipeline.stages > layers:
         raise ConfigError(f"pipeline.stages={cfg.pipeline.stages}: the model has {layers} layers with weights to "
                           f"divide between the stages; use at most {layers} stages")
+    _check_store_urls(cfg)
+    if cfg.checkpoint.mirror:  # a fresh machine or a lost disk: the store's newest checkpoint first
+        fetched = checkpoint_store.fetch_newer(Path(cfg.checkpoint.dir), cfg.checkpoint.mirror)
+        if fetched:
+            print(fetched, flush=True)
     own = latest_complete(Path(cfg.checkpoint.dir))
     if own is not None:
         _check_resumable(Path(cfg.checkpoint.dir) / own, "checkpoint.dir", electra, first.tokenizer)
@@ -456,6 +476,6 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
         _check_resumable(continue_from, "phase.continue_from", electra, first.tokenizer)
     return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
                    electra=electra, sets=sets, tokenizer=first.tokenizer,
-                   has_valid=all(_has_valid(path) for path, _ in sets), micro_batch_size=micro_batch_size,
+                   has_valid=all(_has_valid(path, cfg.data) for path, _ in sets), micro_batch_size=micro_batch_size,
                    continue_from=continue_from, cuda_graphs=cuda_graphs, cuda_graphs_why=cuda_graphs_why,
                    compile_options=compile_options)

@@ -134,6 +134,7 @@ class Trainer:
         data = cfg.data  # data.sets is not read again: self.sets is what the plan parsed and checked
         loader = partial(build_dataloader, self.sets, seq_len=data.seq_len, micro_batch_size=self.plan.micro_batch_size,
                          seed=data.seed, dp_rank=self.dp_rank, dp_size=self.dp_size, cache_dir=data.cache_dir,
+                         cache_limit_gb=data.cache_limit_gb,
                          progress=self.is_logger, size_exponent=data.size_exponent, pack_documents=data.pack_documents,
                          # Pinned batches copy to the GPU asynchronously (_to_device's non_blocking); a copy
                          # from pageable memory is staged by the driver, which may first wait for the stream.

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import torch
 
+from convbert_ds.formats.checkpoint import store as checkpoint_store
 from convbert_ds.formats.checkpoint.directory import TRAINER_STATE, latest_complete
 from convbert_ds.config import ConfigError, ModelConfig
 from convbert_ds.convert import ConvertError, convert_checkpoint, open_checkpoint
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.model import ConvBertForSequenceClassification, WeightsError
 from convbert_ds.model.hf_io import load_weights, read_config
+from convbert_ds.objstore import is_url
 
 @dataclass
 class ModelSource:
@@ -30,7 +32,11 @@ class ModelSource:
 
 def resolve_model(path, work_dir: Path, convert: bool = True) -> ModelSource:
     """``path`` as a ModelSource; a checkpoint is converted into ``work_dir/converted/TAG`` once
-    (``convert=False``: only find that directory, for ranks other than the one that converts)."""
+    (``convert=False``: only find that directory, for ranks other than the one that converts). A store URL
+    (a run's ``checkpoint.mirror``, or one tag in it) is downloaded into the local cache first."""
+    if is_url(path):
+        root, tag = checkpoint_store.local_copy(str(path))
+        path = root / tag
     path = Path(path)
     if not path.is_dir():
         raise FinetuneError(f"--model {path}: no such directory; pass a ConvBERT directory (config.json + "

@@ -19,11 +19,13 @@ fields); both raise ``ShardManifestError`` naming the file, the field and the fi
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 
+from convbert_ds import objstore
 from convbert_ds.errors import UserError
 from convbert_ds.fsutil import file_sha256, read_json, write_json_atomically
 
@@ -54,13 +56,13 @@ def split_entry(shards: list[dict]) -> dict:
     return {**{key: sum(s[key] for s in shards) for key in COUNTS}, "shards": shards}
 
 
-def _field(obj, name: str, where: str, path: Path):
+def _field(obj, name: str, where: str, path: Path | str):
     if not isinstance(obj, dict) or name not in obj:
         raise ShardManifestError(f"{path}: missing field {where}{name}; {_RERUN}")
     return obj[name]
 
 
-def check_fields(manifest: dict, path: Path) -> None:
+def check_fields(manifest: dict, path: Path | str) -> None:
     """Check the fields readers rely on (not the files); ``path`` names the manifest in errors."""
     version = _field(manifest, "format_version", "", path)
     if version != FORMAT_VERSION:
@@ -98,6 +100,23 @@ def read_manifest(shard_dir: str | os.PathLike, verify: bool = True) -> dict:
             for ext in SHARD_FILES:
                 check_shard_file(root / f"{shard['prefix']}.{ext}", shard, ext, path, verify)
     return manifest
+
+
+def read_store_manifest(url: str) -> tuple[bytes, dict]:
+    """The manifest of a shard directory in an object store (``s3://BUCKET/PREFIX``): its bytes and its checked
+    fields (the files are not looked at: a reader checks those it uses)."""
+    name = str(objstore.Url.parse(url).join(MANIFEST))
+    try:
+        raw = objstore.read_bytes(name)
+    except objstore.StoreNotFound:
+        raise MissingShardFileError(f"{name} not found in the store at {objstore.endpoint()}: shard directories "
+                                    f"are uploaded by `python -m preprocessing.shard --out s3://...`") from None
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ShardManifestError(f"{name}: not JSON ({e}); {_RERUN}") from None
+    check_fields(manifest, name)
+    return raw, manifest
 
 
 def check_shard_file(file: Path, shard: dict, ext: str, listed_in: Path, verify: bool = True) -> None:

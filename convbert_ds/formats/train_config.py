@@ -102,7 +102,12 @@ class DataSection:
         "convolutions stay inside each document and its position ids restart at 0 (convbert_ds/data/"
         "cross_document.py); false: one piece of one document per sample, padded")] = True
     num_workers: Annotated[int, Key("data-loader worker processes per rank", min=0, max=256)] = 1
-    cache_dir: Annotated[str | None, Key("where sample indexes go when the shard dirs are read-only")] = None
+    cache_dir: Annotated[str | None, Key(
+        "where sample indexes go when the shard dirs are read-only; for sets in an object store (s3://...) "
+        "also their manifests, index files and token blocks (default ~/.cache/convbert_ds)")] = None
+    cache_limit_gb: Annotated[float, Key(
+        "token blocks of sets in an object store kept on this machine's disk at most (all ranks and sets "
+        "together; the least recently used go first)", min=0.0)] = 20.0
     verify: Annotated[Literal["size", "checksum", "always"], Key(
         "how shard files are checked at start: size; checksum (also sha256 against the manifest, on rank 0, "
         "once per file: a stamp in the index cache skips files whose size and mtime are unchanged since); "
@@ -213,6 +218,9 @@ class CheckpointSection:
         "write, hash and commit interval checkpoints in a thread while training goes on (the step loop waits "
         "only for a copy of the states in host memory); the run's last save and a preemption's wait for it")] = \
         True
+    mirror: Annotated[str | None, Key(
+        "an object store (s3://BUCKET/PREFIX) every complete checkpoint is uploaded to, COMPLETE last, the local "
+        "copy kept until then; a run whose checkpoint.dir has none as new (a fresh machine) resumes from there")] = None
     verify: Annotated[Literal["size", "checksum"], Key(
         "how the checkpoint to resume from is checked against its manifest: size (a stat per file) or "
         "checksum (also sha256: a bit flip does not change a size; about a second per GB, once per start)")] = \

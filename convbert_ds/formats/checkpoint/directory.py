@@ -72,6 +72,10 @@ def step_of(tag: str) -> int:
     return int(_TAG.match(tag).group(1))
 
 
+def is_tag(name: str) -> bool:
+    """Whether ``name`` is a save's tag (``stepNNNNNNNN``), complete or not."""
+    return bool(_TAG.match(name))
+
 
 def complete_tags(directory: Path) -> list[str]:
     """Complete tags, oldest first."""

@@ -1,0 +1,150 @@
+"""A run's checkpoints mirrored in an object store (``checkpoint.mirror: s3://BUCKET/PREFIX``).
+
+Layout, the same as ``checkpoint.dir``'s (``directory.py``)::
+
+    PREFIX/latest                   the newest tag whose upload is complete (written after its COMPLETE)
+    PREFIX/step00001000/...         the tag's files, under the same relative names
+    PREFIX/step00001000/COMPLETE    uploaded last, once every file it lists is in the store with its size
+
+So a tag in the store is complete exactly when its ``COMPLETE`` is there, as on disk, and a process killed
+mid-upload leaves the previous complete tag the newest. S3's writes are atomic per object and the client
+checks each body's checksum in flight; what is uploaded is checked again by size here and by sha256 when a
+run resumes from a downloaded copy (``checkpoint.verify``). The local copy is kept until its upload is
+complete: the trainer prunes ``checkpoint.dir`` only after (``convbert_ds.engine.checkpoint``).
+
+Downloading (a run that starts on an empty disk, the converter's and fine-tuning's ``s3://`` paths) fills a
+temporary directory beside the target and renames it into place: a tag on disk is whole or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from convbert_ds import objstore
+from convbert_ds.formats.checkpoint import directory as local
+from convbert_ds.formats.checkpoint.directory import (COMPLETE, LATEST, UNIVERSAL, CheckpointError, is_tag,
+                                                      read_manifest, step_of)
+from convbert_ds.fsutil import exclusive_lock, write_text_atomically
+
+
+def _files(tag_dir: Path) -> list[str]:
+    """What a tag's upload sends before COMPLETE: its manifest's files (every file, for a pre-manifest tag)."""
+    manifest = read_manifest(tag_dir)
+    if manifest is not None:
+        return sorted(manifest["files"])
+    return sorted(p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*")
+                  if p.is_file() and p.name != COMPLETE and UNIVERSAL not in p.relative_to(tag_dir).parts[:-1])
+
+
+def upload_tag(directory: Path, tag: str, url: str) -> tuple[int, float]:
+    """Upload the complete tag ``directory/tag`` to ``url/tag`` and move ``url/latest`` to it; returns the bytes
+    sent and the seconds taken. Raises ``StoreError`` (the store's copy then stays incomplete)."""
+    started, tag_dir, root = time.perf_counter(), directory / tag, objstore.Url.parse(url)
+    names, sent = _files(tag_dir), 0
+    for name in names:
+        objstore.upload(tag_dir / name, str(root.join(tag, name)))
+        sent += (tag_dir / name).stat().st_size
+    for name in names:
+        stored, size = objstore.head(str(root.join(tag, name)))[0], (tag_dir / name).stat().st_size
+        if stored != size:
+            raise objstore.StoreError(f"{root.join(tag, name)}: {stored} bytes in the store, {size} on disk after "
+                                      f"the upload; the store lost a write")
+    objstore.upload(tag_dir / COMPLETE, str(root.join(tag, COMPLETE)))
+    objstore.put_bytes(str(root.join(LATEST)), f"{tag}\n".encode())
+    return sent, time.perf_counter() - started
+
+
+def complete_tags(url: str) -> list[str]:
+    """The store's complete tags, oldest first."""
+    tags = {key.split("/")[0] for key, _ in objstore.list_objects(url) if key.endswith(f"/{COMPLETE}")}
+    return sorted((t for t in tags if is_tag(t)), key=step_of)
+
+
+def latest_complete(url: str) -> str | None:
+    """The tag the store's ``latest`` names if it is complete, else its newest complete tag."""
+    tags = complete_tags(url)
+    try:
+        named = objstore.read_bytes(str(objstore.Url.parse(url).join(LATEST))).decode().strip()
+    except objstore.StoreNotFound:
+        named = None
+    return named if named in tags else (tags[-1] if tags else None)
+
+
+def prune(url: str, keep: list[str]) -> None:
+    """Delete the store's tags not in ``keep`` (COMPLETE first: a tag half deleted is incomplete, not damaged)."""
+    root = objstore.Url.parse(url)
+    by_tag: dict[str, list[str]] = {}
+    for key, _ in objstore.list_objects(url):
+        tag = key.split("/")[0]
+        if is_tag(tag) and tag not in keep and "/" in key:
+            by_tag.setdefault(tag, []).append(key)
+    for keys in by_tag.values():
+        for key in sorted(keys, key=lambda k: not k.endswith(f"/{COMPLETE}")):
+            objstore.delete(str(root.join(key)))
+
+
+def download_tag(url: str, tag: str, directory: Path) -> tuple[int, float]:
+    """The store's complete tag ``url/tag`` into ``directory/tag`` (which must not exist); returns the bytes
+    and the seconds taken."""
+    started, root = time.perf_counter(), objstore.Url.parse(url)
+    try:
+        manifest = json.loads(objstore.read_bytes(str(root.join(tag, COMPLETE))))
+    except ValueError as error:
+        raise CheckpointError(f"{root.join(tag, COMPLETE)}: not a checkpoint manifest ({error}); use an older "
+                              f"tag") from None
+    names = sorted(manifest["files"]) if isinstance(manifest, dict) else \
+        sorted(key[len(tag) + 1:] for key, _ in objstore.list_objects(str(root.join(tag))) if key != COMPLETE)
+    names = [n for n in names if n != COMPLETE]
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{tag}.download-{uuid.uuid4().hex[:8]}"
+    try:
+        received = 0
+        for name in names:
+            objstore.download(str(root.join(tag, name)), tmp / name)
+            received += (tmp / name).stat().st_size
+        objstore.download(str(root.join(tag, COMPLETE)), tmp / COMPLETE)
+        tmp.rename(directory / tag)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return received, time.perf_counter() - started
+
+
+def fetch_newer(directory: Path, url: str) -> str | None:
+    """Download the store's newest complete tag into ``directory`` (and point ``latest`` at it) when the
+    directory has none as new: a fresh machine, a lost disk. Every process of a node may call it at once:
+    one downloads, the others wait for it and find the tag there. Returns a line saying what was fetched."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(directory / ".store-download.lock"):
+        remote, here = latest_complete(url), local.latest_complete(directory)
+        if remote is None or (here is not None and step_of(here) >= step_of(remote)):
+            return None
+        shutil.rmtree(directory / remote, ignore_errors=True)  # an interrupted save of that step, if any
+        size, seconds = download_tag(url, remote, directory)
+        write_text_atomically(directory / LATEST, remote + "\n")
+    return f"downloaded checkpoint {remote} from {url} into {directory} ({size / 2**20:,.1f} MiB in {seconds:.1f} s)"
+
+
+def local_copy(url: str, tag: str | None = None) -> tuple[Path, str]:
+    """A checkpoint in the store (``s3://.../checkpoints``, or one tag in it) as a directory on this disk, in
+    the cache (``~/.cache/convbert_ds/checkpoints/BUCKET/PREFIX``); returns it and the tag (default: the
+    newest complete)."""
+    root = objstore.Url.parse(url)
+    last = root.key.rsplit("/", 1)[-1]
+    if tag is None and is_tag(last):
+        root, tag = objstore.Url(root.bucket, root.key[:-len(last)].rstrip("/")), last
+    tags = complete_tags(str(root))
+    tag = tag or latest_complete(str(root))
+    if tag is None or tag not in tags:
+        raise CheckpointError(f"{root}: no complete checkpoint {tag or ''} there (a stepNNNNNNNN prefix with a "
+                              f"{COMPLETE} object); complete tags: {tags or 'none'}")
+    directory = objstore.default_cache_dir() / "checkpoints" / root.bucket / root.key
+    directory.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(directory / ".store-download.lock"):
+        if not (directory / tag / COMPLETE).is_file():
+            shutil.rmtree(directory / tag, ignore_errors=True)
+            download_tag(str(root), tag, directory)
+    return directory, tag

@@ -1,4 +1,4 @@
-"""``python -m convbert_ds.finetune``: fine-tune a ConvBERT on a GLUE task or a custom task, over seeds.
+"""``python -m convbert_ds.finetune``: fine-tune a ConvBERT on a GLUE task, SQuAD or a custom task, over seeds.
 
 Runs on CPU, one GPU (bf16 by default there) or several ranks started by torchrun / the deepspeed
 launcher / srun / mpirun (data parallel). Bad input ends in one line on stderr and exit code 2.
@@ -12,10 +12,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from convbert_ds.cli import ArgumentParser, exit_on_user_error
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.recipe import PRECISIONS, RANGES, Recipe
 from convbert_ds.finetune.run import RunSpec, run
+from convbert_ds.finetune.squad import SQUAD_TASKS, QATask, read_squad
 from convbert_ds.finetune.tasks import TASK_TYPES, read_custom, read_glue
 from convbert_ds.fsutil import FORCE_FLAG
 
@@ -60,6 +61,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     glue = parser.add_argument_group("GLUE (official files on disk)")
     glue.add_argument("--glue-task", help="cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli")
     glue.add_argument("--data-dir", help="the task's folder from the GLUE download (train.tsv, dev.tsv, ...)")
+    qa = parser.add_argument_group("question answering: SQuAD's JSON files as --train and --validation")
+    qa.add_argument("--task", choices=SQUAD_TASKS, help="squad (v1.1) or squad_v2 (v2.0, with unanswerable questions)")
+    qa.add_argument("--doc-stride", type=bounded(int, min=0), default=128,
+                    help="context tokens that consecutive windows of a long context share")
+    qa.add_argument("--n-best", type=bounded(int, min=1), default=20, help="start and end candidates per window")
+    qa.add_argument("--max-answer-length", type=bounded(int, min=1), default=30, help="longest answer, in tokens")
     custom = parser.add_argument_group("custom task (TSV, CSV, JSONL or a datasets save_to_disk directory)")
     custom.add_argument("--train", help="the training split's file or directory")
     custom.add_argument("--validation", help="the validation split's file or directory")
@@ -73,6 +80,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def read_task(args: argparse.Namespace):
+    if args.task in SQUAD_TASKS:
+        if args.glue_task or not (args.train and args.validation):
+            raise FinetuneError(f"--task {args.task} takes SQuAD's JSON files as --train and --validation (e.g. "
+                                "train-v1.1.json, dev-v1.1.json), and no --glue-task")
+        version_2 = args.task == "squad_v2"
+        return QATask(args.task, read_squad(args.train, version_2), {"validation": read_squad(args.validation, version_2)},
+                      {"train": args.train, "validation": args.validation}, doc_stride=args.doc_stride,
+                      n_best=args.n_best, max_answer_length=args.max_answer_length)
     custom = {"--train": args.train, "--validation": args.validation, "--text-column": args.text_column,
               "--label-column": args.label_column}
     if args.glue_task:

@@ -28,7 +28,6 @@ from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.tasks import TaskData
 from convbert_ds.formats.checkpoint.rng import rng_state, set_rng_state
 from convbert_ds.fsutil import truncate_jsonl, write_bytes_atomically
-from convbert_ds.model import ConvBertForSequenceClassification
 from convbert_ds.model.optim import layerwise_param_groups, linear_warmup_decay
 
 _LAYER = re.compile(r"^convbert\.encoder\.layer\.(\d+)\.")
@@ -50,9 +49,10 @@ class Placement:
 
 
 def depth_of(num_layers: int):
-    """ELECTRA's depths: embeddings 0, encoder layer i -> i + 1, the task head num_layers + 2."""
+    """ELECTRA's depths: embeddings 0, encoder layer i -> i + 1, the task head (any parameter outside the
+    body: a classifier, a span head) num_layers + 2."""
     def depth(name: str) -> int:
-        if name.startswith("classifier."):
+        if not name.startswith("convbert."):
             return num_layers + 2
         if match := _LAYER.match(name):
             return int(match.group(1)) + 1
@@ -62,7 +62,7 @@ def depth_of(num_layers: int):
     return depth
 
 
-def build_optimizer(model: ConvBertForSequenceClassification, recipe: Recipe) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, recipe: Recipe) -> torch.optim.AdamW:
     layers = model.config.num_hidden_layers
     groups = layerwise_param_groups(model, recipe.learning_rate, recipe.weight_decay, recipe.layerwise_lr_decay,
                                     depth_of(layers), max_depth=layers + 2)
@@ -70,7 +70,7 @@ def build_optimizer(model: ConvBertForSequenceClassification, recipe: Recipe) ->
                              eps=recipe.adam_epsilon)
 
 
-def _autocast(recipe: Recipe, device: torch.device):
+def autocast(recipe: Recipe, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if recipe.precision == "bf16" else contextlib.nullcontext()
 
 
@@ -83,7 +83,7 @@ def predict(model, data: Encoded, recipe: Recipe, device: torch.device, regressi
     pad = model.config.pad_token_id
     for indices in eval_batches(data, recipe.eval_batch_size):
         batch = {k: v.to(device) for k, v in collate(data, indices, pad, regression).items()}
-        with _autocast(recipe, device):
+        with autocast(recipe, device):
             logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]).float()
         values = logits[:, 0] if regression else logits.argmax(-1)
         for i, value in zip(indices, values.tolist()):
@@ -92,16 +92,30 @@ def predict(model, data: Encoded, recipe: Recipe, device: torch.device, regressi
     return predictions
 
 
-def evaluate(model, task: TaskData, evals: dict[str, Encoded], recipe: Recipe, device: torch.device) -> dict:
-    regression = task.task_type == "regression"
-    return {split: compute_metrics(task, predict(model, data, recipe, device, regression), data.labels)
-            for split, data in evals.items()}
+class Classification:
+    """What the loop needs of a task (the objective): sentence(-pair) classification or regression. Another
+    kind of task (``qa.py``: question answering) has the same three methods."""
+
+    def __init__(self, task: TaskData):
+        self.task, self.regression = task, task.task_type == "regression"
+        self._loss = torch.nn.MSELoss(reduction="sum") if self.regression else torch.nn.CrossEntropyLoss(reduction="sum")
+
+    def collate(self, data: Encoded, indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+        return collate(data, indices, pad_id, self.regression)
+
+    def loss_sum(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's loss summed over its examples."""
+        return self._loss(logits[:, 0] if self.regression else logits, batch["labels"])
+
+    def evaluate(self, model, evals: dict[str, Encoded], recipe: Recipe, device: torch.device) -> dict:
+        return {split: compute_metrics(self.task, predict(model, data, recipe, device, self.regression), data.labels)
+                for split, data in evals.items()}
 
 
-def train_seed(model: ConvBertForSequenceClassification, task: TaskData, train: Encoded, evals: dict[str, Encoded],
-               recipe: Recipe, seed: int, place: Placement, state_dir: Path, log: Path) -> list[dict]:
-    """Fine-tune ``model`` in place; returns the per-epoch history (the last entry is the final result)."""
-    regression = task.task_type == "regression"
+def train_seed(model: torch.nn.Module, objective, train, evals: dict, recipe: Recipe, seed: int, place: Placement,
+               state_dir: Path, log: Path) -> list[dict]:
+    """Fine-tune ``model`` in place on ``objective`` (``Classification``, ``qa.SpanObjective``); returns the
+    per-epoch history (the last entry is the final result)."""
     model.to(place.device)
     optimizer = build_optimizer(model, recipe)
     steps_per_epoch = len(epoch_batches(len(train), recipe.batch_size, seed, 0, place.world_size))
@@ -124,7 +138,6 @@ def train_seed(model: ConvBertForSequenceClassification, task: TaskData, train: 
     if place.world_size > 1:
         ids = [place.device.index] if place.device.type == "cuda" else None
         wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    loss_fn = torch.nn.MSELoss(reduction="sum") if regression else torch.nn.CrossEntropyLoss(reduction="sum")
 
     def save() -> None:
         if place.main:
@@ -144,14 +157,13 @@ def train_seed(model: ConvBertForSequenceClassification, task: TaskData, train: 
                 epoch_order = (epoch, epoch_batches(len(train), recipe.batch_size, seed, epoch, place.world_size))
             global_batch = epoch_order[1][position]
             mine = global_batch[place.rank::place.world_size]
-            batch = {k: v.to(place.device) for k, v in collate(train, mine, model.config.pad_token_id,
-                                                                regression).items()}
+            batch = {k: v.to(place.device) for k, v in objective.collate(train, mine, model.config.pad_token_id).items()}
             factor = linear_warmup_decay(step, warmup, total)
             for group in optimizer.param_groups:
                 group["lr"] = group["base_lr"] * factor
-            with _autocast(recipe, place.device):
+            with autocast(recipe, place.device):
                 logits = wrapped(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]).float()
-            loss_sum = loss_fn(logits[:, 0], batch["labels"]) if regression else loss_fn(logits, batch["labels"])
+            loss_sum = objective.loss_sum(logits, batch)
             # DDP averages gradients over ranks: scaling by world / global batch makes that the global mean.
             (loss_sum * place.world_size / len(global_batch)).backward()
             if recipe.grad_clip > 0:
@@ -169,7 +181,7 @@ def train_seed(model: ConvBertForSequenceClassification, task: TaskData, train: 
                 log_file.write(json.dumps({"step": step, "loss": loss, "lr": recipe.learning_rate * factor}) + "\n")
                 log_file.flush()
             if step % steps_per_epoch == 0 or step == total:
-                metrics = evaluate(model, task, evals, recipe, place.device) if place.main else {}
+                metrics = objective.evaluate(model, evals, recipe, place.device) if place.main else {}
                 history.append({"epoch": math.ceil(step / steps_per_epoch), "step": step, "metrics": metrics})
                 if place.main:
                     primary = next(iter(metrics))

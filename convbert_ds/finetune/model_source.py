@@ -19,7 +19,7 @@ from convbert_ds.formats.checkpoint.directory import TRAINER_STATE, latest_compl
 from convbert_ds.config import ConfigError, ModelConfig
 from convbert_ds.convert import ConvertError, convert_checkpoint, open_checkpoint
 from convbert_ds.finetune.errors import FinetuneError
-from convbert_ds.model import ConvBertForSequenceClassification, WeightsError
+from convbert_ds.model import WeightsError
 from convbert_ds.model.hf_io import load_weights, read_config
 from convbert_ds.objstore import is_url
 
@@ -68,15 +68,14 @@ def resolve_model(path, work_dir: Path, convert: bool = True) -> ModelSource:
     return ModelSource(path, config, description)
 
 
-def initial_model(source: ModelSource, label_names: list[str] | None, dropout: float, seed: int,
-                  random_init: bool) -> ConvBertForSequenceClassification:
-    """The model a seed starts from. The RNG draws are the same with and without ``random_init`` (the
-    whole model is drawn, then the body is overwritten by the pretrained weights), so the head, and
-    every later draw (dropout, data order), is identical in the baseline and the pretrained run."""
+def initial_model(source: ModelSource, head, dropout: float, seed: int, random_init: bool) -> torch.nn.Module:
+    """The model a seed starts from: ``head(config)`` (e.g. a ``ConvBertForSequenceClassification``), its body
+    then loaded with the pretrained weights. The RNG draws are the same with and without ``random_init`` (the
+    whole model is drawn, then the body is overwritten), so the head, and every later draw (dropout, data
+    order), is identical in the baseline and the pretrained run."""
     config = source.config.replace(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     torch.manual_seed(seed)
-    model = ConvBertForSequenceClassification(config, label_names=label_names,
-                                              num_labels=1 if label_names is None else None)
+    model = head(config)
     if not random_init:
         try:
             load_weights(model.convbert, source.hf_dir, prefix="")

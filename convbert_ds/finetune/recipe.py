@@ -18,6 +18,7 @@ from convbert_ds.finetune.errors import FinetuneError
 
 PRECISIONS = ("auto", "fp32", "bf16")
 _LONG_TASKS = ("rte", "stsb")  # ELECTRA trains these small sets for 10 epochs instead of 3
+_TWO_EPOCH_TASKS = ("squad", "squad_v2")  # and SQuAD for 2
 
 
 # The valid range of every numeric field (None, where a field allows it, is always valid: "the default").
@@ -71,7 +72,7 @@ class Recipe:
         resolved = dataclasses.replace(
             self,
             learning_rate=self.learning_rate or default_learning_rate(model.hidden_size),
-            epochs=self.epochs or (10.0 if task_name in _LONG_TASKS else 3.0),
+            epochs=self.epochs or (10.0 if task_name in _LONG_TASKS else 2.0 if task_name in _TWO_EPOCH_TASKS else 3.0),
             dropout=model.hidden_dropout_prob if self.dropout is None else self.dropout,
             precision=("bf16" if cuda else "fp32") if self.precision == "auto" else self.precision)
         if resolved.max_seq_length > model.max_position_embeddings:

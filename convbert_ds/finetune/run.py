@@ -6,8 +6,11 @@
     OUT/seeds/seedN.jsonl   its per-step training log ({"step", "loss", "lr"})
     OUT/state/seedN/        the unfinished seed's resumable state (deleted when the seed finishes)
     OUT/converted/TAG/      a training checkpoint converted for fine-tuning (when --model is one)
-    OUT/best/               the best seed's model: transformers ConvBertForSequenceClassification with its
-                            tokenizer and id2label, written atomically whenever a seed beats the best so far
+    OUT/predictions/seedN/SPLIT/predictions.json (and null_odds.json)
+                            question answering: the official files of the seed's last evaluation
+    OUT/best/               the best seed's model: transformers ConvBertForSequenceClassification (or
+                            ConvBertForQuestionAnswering) with its tokenizer and id2label, written atomically
+                            whenever a seed beats the best so far
     OUT/results.json        the metric per seed, their median, the command and the model it started from
     OUT/results.md          the same as a Markdown table
 """
@@ -28,19 +31,22 @@ from convbert_ds.convert.to_hf import tokenizer_files
 from convbert_ds.engine import distributed
 from convbert_ds.finetune.batches import encode
 from convbert_ds.finetune.errors import FinetuneError
-from convbert_ds.finetune.loop import Placement, train_seed
+from convbert_ds.finetune.loop import Classification, Placement, train_seed
 from convbert_ds.finetune.model_source import initial_model, resolve_model
+from convbert_ds.finetune.qa import SpanObjective
 from convbert_ds.finetune.recipe import Recipe
+from convbert_ds.finetune.squad import QATask, windows
 from convbert_ds.finetune.tasks import TaskData
 from convbert_ds.fsutil import write_json_atomically, write_text_atomically
+from convbert_ds.model import ConvBertForQuestionAnswering, ConvBertForSequenceClassification
 from convbert_ds.model.hf_io import read_tokenizer
 
-SEEDS_DIR, STATE_DIR, BEST_DIR = "seeds", "state", "best"
+SEEDS_DIR, STATE_DIR, BEST_DIR, PREDICTIONS_DIR = "seeds", "state", "best", "predictions"
 
 
 @dataclass
 class RunSpec:
-    task: TaskData
+    task: TaskData | QATask
     model: str  # --model as given
     out: Path
     recipe: Recipe
@@ -184,9 +190,20 @@ def run(spec: RunSpec) -> dict | None:
     settings = _settings(spec, recipe, source.description)
     tokenizer = read_tokenizer(source.hf_dir)
     task = spec.task
-    train = encode(tokenizer, task, select_train(task, recipe), recipe.max_seq_length)
-    evals = {split: encode(tokenizer, task, examples, recipe.max_seq_length) for split, examples in task.evals.items()}
-    labels = task.label_names if task.task_type == "classification" else None
+    if isinstance(task, QATask):
+        def prepare_split(questions):
+            return windows(tokenizer, questions, recipe.max_seq_length, task.doc_stride)
+        objective, head = SpanObjective(task, task.evals), ConvBertForQuestionAnswering
+    else:
+        def prepare_split(examples):
+            return encode(tokenizer, task, examples, recipe.max_seq_length)
+        labels = task.label_names if task.task_type == "classification" else None
+        objective = Classification(task)
+
+        def head(config):
+            return ConvBertForSequenceClassification(config, label_names=labels, num_labels=1 if labels is None else None)
+    train = prepare_split(select_train(task, recipe))
+    evals = {split: prepare_split(examples) for split, examples in task.evals.items()}
 
     finished = []
     for seed in range(recipe.first_seed, recipe.first_seed + recipe.seeds):
@@ -194,8 +211,10 @@ def run(spec: RunSpec) -> dict | None:
         if done.is_file():
             finished.append(json.loads(done.read_text()))
             continue
-        model = initial_model(source, labels, recipe.dropout, seed, spec.random_init)
-        history = train_seed(model, task, train, evals, recipe, seed, place, out / STATE_DIR / f"seed{seed}",
+        model = initial_model(source, head, recipe.dropout, seed, spec.random_init)
+        if isinstance(objective, SpanObjective):
+            objective.write_to = out / PREDICTIONS_DIR / f"seed{seed}"
+        history = train_seed(model, objective, train, evals, recipe, seed, place, out / STATE_DIR / f"seed{seed}",
                              out / SEEDS_DIR / f"seed{seed}.jsonl")
         result = {"seed": seed, "history": history, "final": history[-1]["metrics"]}
         if place.main:

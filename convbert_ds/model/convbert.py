@@ -283,3 +283,46 @@ class ConvBertForSequenceClassification(HFInterop, nn.Module):
                     num_labels=1 if regression else None, classifier_dropout=hf.get("classifier_dropout"))
         hf_io.load_weights(model, directory, prefix=cls.hf_prefix)
         return model
+
+
+class ConvBertForQuestionAnswering(HFInterop, nn.Module):
+    """Body + span head (transformers' class of that name). Returns logits ``[B, T, 2]``: each token's score as
+    the answer's first (``[..., 0]``) and last (``[..., 1]``) token."""
+
+    hf_architecture = "ConvBertForQuestionAnswering"
+    hf_prefix = "convbert."
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.convbert = ConvBertModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.qa_outputs.apply(lambda m: init_weights(m, config.initializer_range))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.qa_outputs(self.convbert(input_ids, attention_mask, token_type_ids))
+
+
+class ConvBertForTokenClassification(HFInterop, nn.Module):
+    """Body + per-token classifier (transformers' class of that name). Returns logits ``[B, T, num_labels]``."""
+
+    hf_architecture = "ConvBertForTokenClassification"
+    hf_prefix = "convbert."
+
+    def __init__(self, config: ModelConfig, label_names: list[str], classifier_dropout: float | None = None):
+        super().__init__()
+        self.config, self.label_names, self.classifier_dropout = config, list(label_names), classifier_dropout
+        self.convbert = ConvBertModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob if classifier_dropout is None else classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, len(self.label_names))
+        self.classifier.apply(lambda m: init_weights(m, config.initializer_range))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.classifier(self.dropout(self.convbert(input_ids, attention_mask, token_type_ids)))
+
+    def hf_config_extra(self) -> dict:
+        return {"id2label": {str(i): name for i, name in enumerate(self.label_names)},
+                "label2id": {name: i for i, name in enumerate(self.label_names)},
+                "classifier_dropout": self.classifier_dropout}

@@ -16,6 +16,7 @@ from convbert_ds.data.shards import open_split, verify_checksums
 from convbert_ds.errors import UserError
 from convbert_ds.formats.shard_manifest import ShardManifestError, read_manifest
 from launch import REPO, TINY_CONFIG
+from object_store import S3Server
 
 URL = "s3://shards/tiny"
 
@@ -91,7 +92,7 @@ def test_an_object_replaced_mid_run_ends_the_run_instead_of_mixing_versions(stor
         dataset[0]
 
 
-def test_a_missing_bucket_prefix_or_store_is_one_line_naming_the_url(s3, tiny_corpus, tmp_path, monkeypatch):
+def test_a_missing_bucket_prefix_denied_access_or_absent_store_is_one_line_naming_the_url(s3, tiny_corpus, tmp_path, monkeypatch):
     objstore.client().create_bucket(Bucket="empty")
     cases = {"s3://nobucket/tiny": "the store at .* has no bucket 'nobucket'; create it or fix the URL",
              "s3://empty/tiny": "s3://empty/tiny/manifest.json not found in the store at",
@@ -100,6 +101,11 @@ def test_a_missing_bucket_prefix_or_store_is_one_line_naming_the_url(s3, tiny_co
         with pytest.raises(UserError, match=message) as caught:
             open_split(url, "train", tmp_path)
         assert "\n" not in str(caught.value)
+    with S3Server(checks_credentials=True) as denying:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", denying.url)
+        with pytest.raises(objstore.StoreError, match=r"^s3://shards/tiny/manifest.json: access denied "
+                                                      r"\(InvalidAccessKeyId\); check the credentials"):
+            open_split(URL, "train", tmp_path)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setenv(objstore.PATIENCE_VAR, "2")
     with pytest.raises(objstore.StoreError, match=r"^s3://shards/tiny/manifest.json: the store at "

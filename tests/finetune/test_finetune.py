@@ -86,19 +86,23 @@ def test_layerwise_decay_groups_follow_parameter_names(hf_model):
         assert decay_of[name] == (0.0 if no_decay else 0.01), name
 
 
+def _two_labels(config):
+    return ConvBertForSequenceClassification(config, label_names=["a", "b"])
+
+
 def test_random_init_differs_from_pretrained_only_in_the_body_weights(hf_model):
     source = resolve_model(hf_model, hf_model.parent)
-    pretrained = initial_model(source, ["a", "b"], 0.1, seed=3, random_init=False).state_dict()
-    random = initial_model(source, ["a", "b"], 0.1, seed=3, random_init=True).state_dict()
+    pretrained = initial_model(source, _two_labels, 0.1, seed=3, random_init=False).state_dict()
+    random = initial_model(source, _two_labels, 0.1, seed=3, random_init=True).state_dict()
     assert pretrained.keys() == random.keys()
     body = [k for k in pretrained if k.startswith("convbert.") and "LayerNorm" not in k and k.endswith("weight")]
     assert body and all(not torch.equal(pretrained[k], random[k]) for k in body)
     head = [k for k in pretrained if k.startswith("classifier.")]
     assert head and all(torch.equal(pretrained[k], random[k]) for k in head)
     # The RNG after building is the same too: dropout and data order do not depend on the init.
-    initial_model(source, ["a", "b"], 0.1, seed=3, random_init=False)
+    initial_model(source, _two_labels, 0.1, seed=3, random_init=False)
     after_pretrained = torch.rand(4)
-    initial_model(source, ["a", "b"], 0.1, seed=3, random_init=True)
+    initial_model(source, _two_labels, 0.1, seed=3, random_init=True)
     assert torch.equal(after_pretrained, torch.rand(4))
 
 

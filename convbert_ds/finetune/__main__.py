@@ -1,4 +1,4 @@
-"""``python -m convbert_ds.finetune``: fine-tune a ConvBERT on a GLUE task, SQuAD or a custom task, over seeds.
+"""``python -m convbert_ds.finetune``: fine-tune a ConvBERT on GLUE, SQuAD, token tagging or a custom task, over seeds.
 
 Runs on CPU, one GPU (bf16 by default there) or several ranks started by torchrun / the deepspeed
 launcher / srun / mpirun (data parallel). Bad input ends in one line on stderr and exit code 2.
@@ -17,6 +17,7 @@ from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.recipe import PRECISIONS, RANGES, Recipe
 from convbert_ds.finetune.run import RunSpec, run
 from convbert_ds.finetune.squad import SQUAD_TASKS, QATask, read_squad
+from convbert_ds.finetune.tagging import TAGGING_TASKS, TaggingTask, label_set, read_conll
 from convbert_ds.finetune.tasks import TASK_TYPES, read_custom, read_glue
 from convbert_ds.fsutil import FORCE_FLAG
 
@@ -61,8 +62,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     glue = parser.add_argument_group("GLUE (official files on disk)")
     glue.add_argument("--glue-task", help="cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli")
     glue.add_argument("--data-dir", help="the task's folder from the GLUE download (train.tsv, dev.tsv, ...)")
-    qa = parser.add_argument_group("question answering: SQuAD's JSON files as --train and --validation")
-    qa.add_argument("--task", choices=SQUAD_TASKS, help="squad (v1.1) or squad_v2 (v2.0, with unanswerable questions)")
+    qa = parser.add_argument_group("question answering (SQuAD's JSON) and token tagging (CoNLL-style files), as "
+                                   "--train and --validation")
+    qa.add_argument("--task", choices=(*SQUAD_TASKS, *TAGGING_TASKS),
+                    help="squad (v1.1), squad_v2 (v2.0, with unanswerable questions), conll or tokens (a token and its "
+                    "tag a line, the tag last; CoNLL-2003's files as they are)")
     qa.add_argument("--doc-stride", type=bounded(int, min=0), default=128,
                     help="context tokens that consecutive windows of a long context share")
     qa.add_argument("--n-best", type=bounded(int, min=1), default=20, help="start and end candidates per window")
@@ -80,10 +84,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def read_task(args: argparse.Namespace):
+    if args.task and (args.glue_task or not (args.train and args.validation)):
+        files = "SQuAD's JSON files (e.g. train-v1.1.json, dev-v1.1.json)" if args.task in SQUAD_TASKS else \
+            "CoNLL-style files (e.g. CoNLL-2003's train.txt and valid.txt)"
+        raise FinetuneError(f"--task {args.task} takes {files} as --train and --validation, and no --glue-task")
+    if args.task in TAGGING_TASKS:
+        train, dev = read_conll(args.train), read_conll(args.validation)
+        return TaggingTask(args.task, label_set(train, {"validation": dev}, args.train), train, {"validation": dev},
+                           {"train": args.train, "validation": args.validation})
     if args.task in SQUAD_TASKS:
-        if args.glue_task or not (args.train and args.validation):
-            raise FinetuneError(f"--task {args.task} takes SQuAD's JSON files as --train and --validation (e.g. "
-                                "train-v1.1.json, dev-v1.1.json), and no --glue-task")
         version_2 = args.task == "squad_v2"
         return QATask(args.task, read_squad(args.train, version_2), {"validation": read_squad(args.validation, version_2)},
                       {"train": args.train, "validation": args.validation}, doc_stride=args.doc_stride,

@@ -43,8 +43,13 @@ def encode(tokenizer, task: TaskData, examples: list[Example], max_seq_length: i
     return Encoded(out["input_ids"], out["token_type_ids"], label_ids(task, examples))
 
 
-def collate(data: Encoded, indices: list[int], pad_id: int, regression: bool) -> dict[str, torch.Tensor]:
-    """Pad ``indices``' examples to the longest of them; labels float for regression, long otherwise."""
+IGNORED_LABEL = -100  # CrossEntropyLoss's ignore_index
+
+
+def collate(data: Encoded, indices: list[int], pad_id: int, regression: bool, per_token: bool = False
+            ) -> dict[str, torch.Tensor]:
+    """Pad ``indices``' examples to the longest of them; labels float for regression, long otherwise;
+    ``per_token``: a label per token (tagging), padded with ``IGNORED_LABEL``."""
     longest = max(len(data.input_ids[i]) for i in indices)
     ids = torch.full((len(indices), longest), pad_id, dtype=torch.long)
     types = torch.zeros((len(indices), longest), dtype=torch.long)
@@ -54,7 +59,12 @@ def collate(data: Encoded, indices: list[int], pad_id: int, regression: bool) ->
         ids[row, :n] = torch.tensor(data.input_ids[i])
         types[row, :n] = torch.tensor(data.token_type_ids[i])
         mask[row, :n] = 1
-    labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.float if regression else torch.long)
+    if per_token:
+        labels = torch.full((len(indices), longest), IGNORED_LABEL, dtype=torch.long)
+        for row, i in enumerate(indices):
+            labels[row, :len(data.labels[i])] = torch.tensor(data.labels[i])
+    else:
+        labels = torch.tensor([data.labels[i] for i in indices], dtype=torch.float if regression else torch.long)
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels}
 
 

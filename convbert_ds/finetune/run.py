@@ -9,8 +9,8 @@
     OUT/predictions/seedN/SPLIT/predictions.json (and null_odds.json)
                             question answering: the official files of the seed's last evaluation
     OUT/best/               the best seed's model: transformers ConvBertForSequenceClassification (or
-                            ConvBertForQuestionAnswering) with its tokenizer and id2label, written atomically
-                            whenever a seed beats the best so far
+                            ConvBertForQuestionAnswering, ConvBertForTokenClassification) with its tokenizer and
+                            id2label, written atomically whenever a seed beats the best so far
     OUT/results.json        the metric per seed, their median, the command and the model it started from
     OUT/results.md          the same as a Markdown table
 """
@@ -36,9 +36,11 @@ from convbert_ds.finetune.model_source import initial_model, resolve_model
 from convbert_ds.finetune.qa import SpanObjective
 from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.squad import QATask, windows
+from convbert_ds.finetune.tagging import TaggingTask, TagObjective, encode_tags
 from convbert_ds.finetune.tasks import TaskData
 from convbert_ds.fsutil import write_json_atomically, write_text_atomically
-from convbert_ds.model import ConvBertForQuestionAnswering, ConvBertForSequenceClassification
+from convbert_ds.model import (ConvBertForQuestionAnswering, ConvBertForSequenceClassification,
+                               ConvBertForTokenClassification)
 from convbert_ds.model.hf_io import read_tokenizer
 
 SEEDS_DIR, STATE_DIR, BEST_DIR, PREDICTIONS_DIR = "seeds", "state", "best", "predictions"
@@ -46,7 +48,7 @@ SEEDS_DIR, STATE_DIR, BEST_DIR, PREDICTIONS_DIR = "seeds", "state", "best", "pre
 
 @dataclass
 class RunSpec:
-    task: TaskData | QATask
+    task: TaskData | QATask | TaggingTask
     model: str  # --model as given
     out: Path
     recipe: Recipe
@@ -170,6 +172,21 @@ def markdown_table(results: dict) -> str:
             f"in `{results['best_dir']}`.\n\nCommand: `{results['command']}`\n")
 
 
+def _task_kind(task, tokenizer, recipe: Recipe):
+    """How a kind of task is tokenized, trained and scored, and its model's head: (examples -> the loop's data,
+    the loop's objective, config -> model)."""
+    if isinstance(task, QATask):
+        return (lambda questions: windows(tokenizer, questions, recipe.max_seq_length, task.doc_stride),
+                SpanObjective(task, task.evals), ConvBertForQuestionAnswering)
+    if isinstance(task, TaggingTask):
+        return (lambda sentences: encode_tags(tokenizer, task, sentences, recipe.max_seq_length),
+                TagObjective(task, task.evals), lambda config: ConvBertForTokenClassification(config, task.label_names))
+    labels = task.label_names if task.task_type == "classification" else None
+    return (lambda examples: encode(tokenizer, task, examples, recipe.max_seq_length), Classification(task),
+            lambda config: ConvBertForSequenceClassification(config, label_names=labels,
+                                                             num_labels=1 if labels is None else None))
+
+
 def run(spec: RunSpec) -> dict | None:
     """Fine-tune every seed (resuming finished and unfinished ones); returns results.json's content on rank 0."""
     place = _placement()
@@ -190,18 +207,7 @@ def run(spec: RunSpec) -> dict | None:
     settings = _settings(spec, recipe, source.description)
     tokenizer = read_tokenizer(source.hf_dir)
     task = spec.task
-    if isinstance(task, QATask):
-        def prepare_split(questions):
-            return windows(tokenizer, questions, recipe.max_seq_length, task.doc_stride)
-        objective, head = SpanObjective(task, task.evals), ConvBertForQuestionAnswering
-    else:
-        def prepare_split(examples):
-            return encode(tokenizer, task, examples, recipe.max_seq_length)
-        labels = task.label_names if task.task_type == "classification" else None
-        objective = Classification(task)
-
-        def head(config):
-            return ConvBertForSequenceClassification(config, label_names=labels, num_labels=1 if labels is None else None)
+    prepare_split, objective, head = _task_kind(task, tokenizer, recipe)
     train = prepare_split(select_train(task, recipe))
     evals = {split: prepare_split(examples) for split, examples in task.evals.items()}
 

@@ -87,8 +87,8 @@ def squad_files(tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("squad")
     files = {}
     for version, v2 in (("v1.1", False), ("v2.0", True)):
-        files[version] = (write(root / f"train-{version}.json", build(documents[:600], v2, seed=1, contexts=90)),
-                          write(root / f"dev-{version}.json", build(documents[600:], v2, seed=2, contexts=24)))
+        files[version] = (write(root / f"train-{version}.json", build(documents[:600], v2, seed=1, contexts=50)),
+                          write(root / f"dev-{version}.json", build(documents[600:], v2, seed=2, contexts=12)))
     return files
 
 

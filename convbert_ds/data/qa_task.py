@@ -27,6 +27,17 @@ SUMMARIES_PER_CONTEXT = 3
 _WORD = re.compile(r"\b[A-Za-z]{5,}\b")
 
 
+def cloze(sentence: str, context: str, rng: random.Random) -> tuple[str, str, int] | None:
+    """A question from ``sentence`` (a part of ``context``): one of its words that occurs once in the context
+    replaced by "what"; returns (question, answer word, its offset in the context), or None without such a word."""
+    words = [w for w in _WORD.findall(sentence) if len(re.findall(rf"\b{w}\b", context)) == 1]
+    if not words:
+        return None
+    word = rng.choice(words)
+    question = re.sub(rf"\b{word}\b", "what", sentence, count=1).rstrip(".") + "?"
+    return question, word, re.search(rf"\b{word}\b", context).start()
+
+
 def cloze_questions(summaries: list[str], seed: int, split: str) -> dict:
     """SQuAD v1.1's layout: the summaries in contexts of ``SUMMARIES_PER_CONTEXT``, a question for each."""
     rng = random.Random(seed)
@@ -38,14 +49,10 @@ def cloze_questions(summaries: list[str], seed: int, split: str) -> dict:
         context = " ".join(parts)
         qas = []
         for k, summary in enumerate(parts):
-            words = [w for w in _WORD.findall(summary) if len(re.findall(rf"\b{w}\b", context)) == 1]
-            if not words:
-                continue
-            word = rng.choice(words)
-            question = re.sub(rf"\b{word}\b", "what", summary, count=1).rstrip(".") + "?"
-            start = re.search(rf"\b{word}\b", context).start()
-            qas.append({"id": f"{split}-{first}-{k}", "question": question,
-                        "answers": [{"text": word, "answer_start": start}]})
+            if found := cloze(summary, context, rng):
+                question, word, start = found
+                qas.append({"id": f"{split}-{first}-{k}", "question": question,
+                            "answers": [{"text": word, "answer_start": start}]})
         if qas:
             paragraphs.append({"context": context, "qas": qas})
     return {"version": "1.1", "data": [{"title": f"docstring summaries ({split})", "paragraphs": paragraphs}]}

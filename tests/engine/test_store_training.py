@@ -76,7 +76,7 @@ def test_two_ranks_train_from_the_store_as_from_disk_and_resume_exactly_after_ki
 MIRROR = "s3://checkpoints/run"
 
 
-def _store_tags(server: S3Server) -> list[str]:
+def _store_tags(server: S3Server) -> tuple[list[str], str]:
     keys = server.snapshot("checkpoints")
     return sorted({k.split("/")[1] for k in keys if k.endswith("/COMPLETE")}), keys["run/latest"].decode().strip()
 

@@ -13,20 +13,17 @@ import random
 import re
 from pathlib import Path
 
-_WORD = re.compile(r"\b[A-Za-z]{6,}\b")
+from convbert_ds.data.qa_task import cloze
 
 
 def _clozes(context: str, sentences: list[str], rng: random.Random, per_context: int) -> list[tuple[str, str, int]]:
+    """Up to ``per_context`` questions, each from another sentence (the built-in QA task's ``cloze``)."""
     found = []
     for sentence in rng.sample(sentences, len(sentences)):
-        words = [w for w in _WORD.findall(sentence) if len(re.findall(rf"\b{w}\b", context)) == 1]
-        if not words:
-            continue
-        word = rng.choice(words)
-        question = re.sub(rf"\b{word}\b", "what", sentence, count=1).rstrip(".") + "?"
-        found.append((question, word, re.search(rf"\b{word}\b", context).start()))
-        if len(found) == per_context:
-            break
+        if question := cloze(sentence, context, rng):
+            found.append(question)
+            if len(found) == per_context:
+                break
     return found
 
 

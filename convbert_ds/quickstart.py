@@ -8,8 +8,10 @@
 3. ``deepspeed --num_gpus 2 --module convbert_ds.train --config configs/quickstart.yaml``: ZeRO-2 on
    2 CPU ranks, the whole step compiled, printing the losses and the discriminator's RTD AUC;
 4. ``convbert_ds.convert``: HuggingFace ConvBERT directories, verified against transformers;
-5. ``convbert_ds.finetune`` on the task, the converted discriminator against the same architecture
-   from random weights, over seeds, and the margin between them.
+5. ``convbert_ds.finetune`` on two held-out tasks, the converted discriminator against the same
+   architecture from random weights, over seeds: the 7-way classification, and extractive questions over
+   the same held-out text (``convbert_ds.data.qa_task``, SQuAD's format); the margin of each, with a
+   bootstrap 95% interval over the seeds.
 
 About 17 minutes on 2 CPU cores, set-up included; ``--smoke`` runs every step on a small budget in a few
 minutes (its model is too small to beat random init: it checks the machinery, not the claim). Rerunning
@@ -20,19 +22,24 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from convbert_ds.data.qa_task import write_qa_task
 from convbert_ds.data.transfer_task import write_pretraining_corpus, write_transfer_task
+from convbert_ds.finetune.margin import Margin, seed_scores
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.fsutil import write_text_atomically
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "quickstart.yaml"
-SMOKE = {"corpus_bytes": 2_000_000, "steps": 100, "seeds": 1}
+SMOKE = {"corpus_bytes": 2_000_000, "steps": 100}
 # The short fine-tuning protocol of benchmarks/RESULTS.md: 4 epochs, max length 32, lr 1e-3 for both inits.
-FINETUNE = ["--max-seq-length", "32", "--epochs", "4", "--learning-rate", "1e-3", "--layerwise-lr-decay", "1.0"]
+FINETUNE = ("--max-seq-length", "32", "--epochs", "4", "--learning-rate", "1e-3", "--layerwise-lr-decay", "1.0")
+# A context (3 summaries) fits 128 tokens; the rest of the recipe is the paper's (layer-wise decay 0.8).
+FINETUNE_QUESTIONS = ("--max-seq-length", "128", "--doc-stride", "32", "--batch-size", "16", "--learning-rate", "2e-3")
 
 
 def _env(**extra: str) -> dict:
@@ -45,9 +52,10 @@ def _run(command: list[str]) -> None:
 
 
 def prepare_data(work: Path, vocab_size: int, corpus_bytes: int | None = None) -> tuple[Path, Path]:
-    """WORK/{corpus.txt, tokenizer/, shards/, task/}, each built once; returns (shards, task)."""
+    """WORK/{corpus.txt, tokenizer/, shards/, task/, questions/}, each built once; returns (shards, task)."""
     python = sys.executable
     corpus, tokenizer, shards, task = work / "corpus.txt", work / "tokenizer", work / "shards", work / "task"
+    questions = work / "questions"
     if not corpus.exists():
         print("building the corpus from the installed packages' docstrings and docs...", flush=True)
         write_pretraining_corpus(corpus, max_bytes=corpus_bytes)
@@ -60,6 +68,8 @@ def prepare_data(work: Path, vocab_size: int, corpus_bytes: int | None = None) -
               "--out", str(shards), "--valid-fraction", "0.02"])
     if not (task / "validation.jsonl").exists():
         write_transfer_task(task)
+    if not (questions / "validation.json").exists():
+        write_qa_task(questions)
     return shards, task
 
 
@@ -84,28 +94,51 @@ def pretrain(work: Path, shards: Path, steps: int | None, ranks: int) -> Path:
     return checkpoints
 
 
-def _finetune_command(model: Path, task: Path, out: Path, seeds: int, random_init: bool) -> list[str]:
+@dataclass(frozen=True)
+class Downstream:
+    """A held-out task both inits are fine-tuned on: its ``python -m convbert_ds.finetune`` data and recipe
+    arguments, the metric of its results.json, and how many seeds per init."""
+
+    name: str
+    title: str
+    metric: str
+    scale: float  # to points: accuracy x 100; SQuAD's F1 is in points already
+    args: tuple[str, ...]
+    seeds: int
+
+
+def downstream_tasks(task: Path, questions: Path, smoke: bool, seeds: int | None) -> list[Downstream]:
+    """The 7-class docstring task (``transfer_task``) and the cloze questions over the same held-out text
+    (``qa_task``). The question recipe (4 epochs, batch 16, lr 2e-3) is the best of those tried within
+    2.5 minutes (benchmarks/RESULTS.md); 8 epochs at batch 32 gave the same margin in twice the time."""
+    return [
+        Downstream("docstrings", "which library a docstring summary documents (7 classes)", "accuracy", 100.0,
+                   ("--train", str(task / "train.jsonl"), "--validation", str(task / "validation.jsonl"),
+                    "--text-column", "text", "--label-column", "label", *FINETUNE),
+                   seeds or (1 if smoke else 5)),  # 3 were too few to separate the inits (RESULTS)
+        Downstream("questions", "extractive QA: the word a cloze question over 3 summaries asks for", "f1", 1.0,
+                   ("--task", "squad", "--train", str(questions / "train.json"),
+                    "--validation", str(questions / "validation.json"), *FINETUNE_QUESTIONS,
+                    "--epochs", "1" if smoke else "4"),
+                   seeds or (1 if smoke else 2)),
+    ]
+
+
+def _finetune_command(model: Path, task: Downstream, out: Path, random_init: bool) -> list[str]:
     return [sys.executable, "-m", "convbert_ds.finetune", "--model", str(model), "--out", str(out), "--force",
-            "--train", str(task / "train.jsonl"), "--validation", str(task / "validation.jsonl"),
-            "--text-column", "text", "--label-column", "label", "--seeds", str(seeds), *FINETUNE,
-            *(["--random-init"] if random_init else [])]
+            *task.args, "--seeds", str(task.seeds), *(["--random-init"] if random_init else [])]
 
 
-def _accuracies(out: Path) -> list[float]:
-    results = json.loads((out / "results.json").read_text())
-    return [seed["final"]["validation"]["accuracy"] for seed in results["seeds"]]
-
-
-def finetune_both(model: Path, task: Path, out: Path, seeds: int) -> tuple[list[float], list[float]]:
-    """Dev accuracy per seed of the pretrained and the random init, ``python -m convbert_ds.finetune`` each in
-    its own process, as a user runs it. The two run side by side on half the cores each: a second thread
-    gains the tiny model only 1.5x (a one-seed run in 22 s on 2 threads, 34 s on 1), so on 2 cores both inits
-    are done in 2.6 minutes with the conversion, against 4.2 one after the other (benchmarks/RESULTS.md). The
-    pretrained run prints to the terminal, the random init's to OUT/random_init.log."""
+def finetune_both(model: Path, task: Downstream, out: Path) -> Margin:
+    """Both inits fine-tuned on ``task``, ``python -m convbert_ds.finetune`` each in its own process, as a user
+    runs it. The two run side by side on half the cores each: a second thread gains the tiny model only 1.5x
+    (a one-seed run in 22 s on 2 threads, 34 s on 1), so on 2 cores both inits are done in 2.6 minutes with the
+    conversion, against 4.2 one after the other (benchmarks/RESULTS.md). The pretrained run prints to the
+    terminal, the random init's to OUT/random_init.log."""
     # the cores this process may use (Linux: its affinity, as under Slurm); elsewhere the machine's
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     threads = str(max(1, cores // 2))
-    pretrained, random = (_finetune_command(model, task, out / name, seeds, name == "random_init")
+    pretrained, random = (_finetune_command(model, task, out / name, name == "random_init")
                           for name in ("pretrained", "random_init"))
     out.mkdir(parents=True, exist_ok=True)
     log = out / "random_init.log"
@@ -119,18 +152,9 @@ def finetune_both(model: Path, task: Path, out: Path, seeds: int) -> tuple[list[
             background.wait()
     if background.returncode != 0:
         raise subprocess.CalledProcessError(background.returncode, random, output=f"see {log}")
-    return _accuracies(out / "pretrained"), _accuracies(out / "random_init")
-
-
-def report(pretrained: list[float], random: list[float]) -> str:
-    margin = statistics.median(pretrained) - statistics.median(random)
-    above = sum(score > max(random) for score in pretrained)
-    show = lambda scores: ", ".join(f"{s:.3f}" for s in scores)  # noqa: E731
-    return (f"dev accuracy, median over {len(pretrained)} seed(s):\n"
-            f"  pretrained   {statistics.median(pretrained):.3f}  ({show(pretrained)})\n"
-            f"  random init  {statistics.median(random):.3f}  ({show(random)})\n"
-            f"  margin       {100 * margin:+.1f} points; {above}/{len(pretrained)} pretrained seeds above the "
-            f"best random-init seed")
+    return Margin(task.title, task.metric.replace("accuracy", "accuracy x 100"),
+                  seed_scores(out / "pretrained", task.metric, task.scale),
+                  seed_scores(out / "random_init", task.metric, task.scale))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=bounded(int, min=1), default=None,
                         help="pretraining steps (None: configs/quickstart.yaml's, 100 with --smoke)")
     parser.add_argument("--seeds", type=bounded(int, min=1), default=None,
-                        help="fine-tuning seeds per init (None: 5, 1 with --smoke)")
+                        help="fine-tuning seeds per init on every task (None: each task's own, 1 with --smoke)")
     parser.add_argument("--ranks", type=int, default=2, choices=(1, 2, 4, 8),
                         help="processes for the deepspeed launcher (the global batch stays 64)")
     parser.add_argument("--vocab-size", type=bounded(int, min=1), default=8000, help="the tokenizer's vocabulary size")
@@ -149,7 +173,6 @@ def main(argv: list[str] | None = None) -> None:
     smoke = SMOKE if args.smoke else {}
     work = Path(args.work_dir or ("runs/quickstart-smoke" if args.smoke else "runs/quickstart")).resolve()
     steps = args.steps if args.steps is not None else smoke.get("steps")
-    seeds = args.seeds or smoke.get("seeds", 5)  # 3 were too few to separate the inits (RESULTS)
 
     shards, task = prepare_data(work, args.vocab_size, smoke.get("corpus_bytes"))
     checkpoints = pretrain(work, shards, steps, args.ranks)
@@ -158,13 +181,17 @@ def main(argv: list[str] | None = None) -> None:
           "--verify", "--force"])
     print(f"HuggingFace ConvBERT: {hf / 'discriminator'} (AutoModel) and {hf / 'generator'} (AutoModelForMaskedLM)\n")
 
-    print(f"does it transfer? fine-tuning on {task} (7 classes), pretrained vs random init...", flush=True)
-    pretrained, random = finetune_both(hf / "discriminator", task, work / "finetune", seeds)
-    summary = report(pretrained, random)
-    (work / "transfer.txt").write_text(summary + "\n")
-    print("\n" + summary)
-    print(f"fine-tuned classifier (transformers ConvBertForSequenceClassification): "
-          f"{work / 'finetune' / 'pretrained' / 'best'}")
+    margins = []
+    for downstream in downstream_tasks(task, work / "questions", args.smoke, args.seeds):
+        print(f"does it transfer? {downstream.title}: pretrained vs random init...", flush=True)
+        margins.append(finetune_both(hf / "discriminator", downstream, work / "finetune" / downstream.name))
+        print(f"\n{margins[-1].report()}\n", flush=True)
+    summary = "\n".join(margin.report() for margin in margins)
+    write_text_atomically(work / "transfer.txt", summary + "\n")
+    write_text_atomically(work / "transfer.json", json.dumps([m.as_dict() for m in margins], indent=2) + "\n")
+    print("pretrained against random init, each task's fine-tuning seeds (" + str(work / "transfer.json") + "):\n")
+    print(summary)
+    print(f"fine-tuned models (transformers ConvBertFor...): {work / 'finetune'}/*/pretrained/best")
     if args.smoke:
         print("(smoke budget: this model is too small to beat random init; the full quickstart is what measures it)")
 

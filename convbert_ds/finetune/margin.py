@@ -1,0 +1,67 @@
+"""The margin of a pretrained init over random init: medians over seeds and a bootstrap 95% interval.
+
+Both inits are fine-tuned on the same task with the same seeds (``python -m convbert_ds.finetune`` and the
+same command with ``--random-init``); each run's ``results.json`` holds one final score per seed. The margin
+is the difference of the two medians. Its interval resamples each init's seeds with replacement (a percentile
+bootstrap): it says how much the margin moves with the fine-tuning seeds, not with the pretraining run, of
+which there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+BOOTSTRAP_DRAWS = 10_000
+
+
+def seed_scores(results_dir: Path, metric: str, scale: float = 1.0) -> list[float]:
+    """The final validation ``metric`` of every seed in ``results_dir/results.json``, times ``scale``."""
+    results = json.loads((Path(results_dir) / "results.json").read_text())
+    return [scale * seed["final"]["validation"][metric] for seed in results["seeds"]]
+
+
+def bootstrap_interval(pretrained: list[float], random_init: list[float], level: float = 0.95,
+                       draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap of median(pretrained) - median(random_init), each init's seeds resampled."""
+    rng = random.Random(seed)
+    margins = sorted(statistics.median(rng.choices(pretrained, k=len(pretrained)))
+                     - statistics.median(rng.choices(random_init, k=len(random_init))) for _ in range(draws))
+    tail = (1 - level) / 2
+    return margins[int(tail * (draws - 1))], margins[round((1 - tail) * (draws - 1))]
+
+
+@dataclass(frozen=True)
+class Margin:
+    """One task's scores per seed for both inits, in points (accuracy x 100, or F1 as SQuAD reports it)."""
+
+    task: str
+    metric: str
+    pretrained: list[float]
+    random_init: list[float]
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.pretrained) - statistics.median(self.random_init)
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return bootstrap_interval(self.pretrained, self.random_init)
+
+    def as_dict(self) -> dict:
+        low, high = self.interval
+        return {"task": self.task, "metric": self.metric, "margin": self.value, "interval95": [low, high],
+                "pretrained": self.pretrained, "random_init": self.random_init}
+
+    def report(self) -> str:
+        low, high = self.interval
+        above = sum(score > max(self.random_init) for score in self.pretrained)
+        show = lambda scores: ", ".join(f"{s:.1f}" for s in scores)  # noqa: E731
+        return (f"{self.task}: dev {self.metric}, median over {len(self.pretrained)} seed(s)\n"
+                f"  pretrained   {statistics.median(self.pretrained):5.1f}  ({show(self.pretrained)})\n"
+                f"  random init  {statistics.median(self.random_init):5.1f}  ({show(self.random_init)})\n"
+                f"  margin       {self.value:+5.1f} points, 95% interval {low:+.1f} to {high:+.1f} (bootstrap over "
+                f"seeds); {above}/{len(self.pretrained)} pretrained seeds above the best random-init seed")

@@ -28,6 +28,7 @@ or layout that pickles something new: then extend the list, after checking what 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import importlib
 import os
@@ -84,12 +85,24 @@ def allowed_globals() -> tuple:
     return tuple(resolved)
 
 
+def _enum_member(cls, name):
+    """``builtins.getattr`` as a pickle may call it: some Python versions (3.11.2, Debian 12's) pickle an Enum
+    member by name, ``getattr(ZeroStageEnum, 'gradients')``, where others call ``ZeroStageEnum(2)``. Only a
+    member of an allowed Enum is looked up; any other attribute of anything is refused."""
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in allowed_globals()
+            and isinstance(name, str) and name in cls.__members__):
+        return cls[name]
+    raise pickle.UnpicklingError(f"Trying to call reduce for unrecognized function getattr({cls!r}, {name!r}): "
+                                 "only members of an allowed Enum are looked up by name")
+
+
 @contextlib.contextmanager
 def _allow_list() -> Iterator[None]:
     # torch's safe_globals removes its globals on exit even when an outer block added them too: add only
     # the missing ones, so a safe_load inside deepspeed_loads_weights_only leaves the outer list intact.
     present = set(torch.serialization.get_safe_globals())
-    with torch.serialization.safe_globals([g for g in allowed_globals() if g not in present]):
+    wanted = [*allowed_globals(), (_enum_member, "builtins.getattr")]
+    with torch.serialization.safe_globals([g for g in wanted if g not in present]):
         yield
 
 

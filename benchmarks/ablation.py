@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     shards, task = args.shards, args.task_dir
     if shards is None or task is None:  # the built-in data is built once in WORK/data, only when needed
         built = prepare_data(work / "data", 8000)
-        shards, task = shards or built[0], task or built[1]
+        shards, task = shards or built.shards, task or built.task
     results = {}
     for slug in slugs:
         print(f"\n=== {slug}: {VARIANTS[slug][1]}", flush=True)

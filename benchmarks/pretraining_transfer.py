@@ -10,7 +10,10 @@ paragraphs of docstrings of 7 pinned libraries, whose text is held out of the co
 tokenizer and shards. Pretraining: ``deepspeed --num_gpus RANKS --module convbert_ds.train`` (CPU ranks
 without a GPU), saving ``--curve`` evenly spaced checkpoints. Fine-tuning: ``python -m convbert_ds.finetune``
 on every checkpoint (protocol "short") and on the last one (every protocol), and with ``--random-init``
-once per protocol, the same seeds and settings. Prints a table, writes WORK/LABEL/transfer.json.
+once per protocol, the same seeds and settings; then the last checkpoint and random init on the out-of-domain
+task (``convbert_ds.data.cloud_docs_task``: passages of the AWS API reference botocore ships, 6 services) with
+the quickstart's recipe, ``--ood-seeds`` each. Prints every gain with its bootstrap 95% interval over the seeds
+(``convbert_ds.finetune.margin``), writes WORK/LABEL/transfer.json.
 
 Protocols (fine-tuning recipe otherwise the paper's, at ``--finetune-lr``; max length 64 covers the task's texts):
     short      4 epochs on the 3,500 training examples
@@ -33,7 +36,8 @@ import torch
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.config import PRESET_NAMES
 from convbert_ds.engine.distributed import free_port
-from convbert_ds.quickstart import prepare_data
+from convbert_ds.finetune.margin import Margin, seed_scores
+from convbert_ds.quickstart import FINETUNE_CLOUD_DOCS, prepare_data
 
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOLS = {
@@ -83,21 +87,19 @@ def pretrain(args, shards: Path, run: Path) -> list[Path]:
     return [run / "checkpoints" / f"step{s:08d}" for s in steps if s % interval == 0 or s == args.steps]
 
 
-def finetune(model: Path, task: Path, out: Path, protocol: str, seeds: int, random_init: bool,
-             extra: list[str]) -> dict:
+def finetune(model: Path, task: Path, out: Path, recipe: list[str], seeds: int, random_init: bool) -> list[float]:
+    """Dev accuracy x 100 per seed of ``python -m convbert_ds.finetune`` on ``task`` (kept in OUT: reruns reuse it)."""
     from convbert_ds.finetune.__main__ import main as finetune_main
 
     if not (out / "results.json").exists():
         args = ["--model", str(model), "--train", str(task / "train.jsonl"), "--validation",
                 str(task / "validation.jsonl"), "--text-column", "text", "--label-column", "label", "--out", str(out),
-                "--max-seq-length", "64", "--seeds", str(seeds), *PROTOCOLS[protocol], *extra]
+                "--seeds", str(seeds), *recipe]
         if random_init:
             args.append("--random-init")
         if finetune_main(args) != 0:
             raise SystemExit(f"fine-tuning failed: {out}")
-    results = json.loads((out / "results.json").read_text())
-    scores = [s["final"]["validation"]["accuracy"] for s in results["seeds"]]
-    return {"median": statistics.median(scores), "scores": scores}
+    return seed_scores(out, "accuracy", 100.0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--label", default=None, help="name of this configuration (default: from the options)")
     parser.add_argument("--shards", type=Path, help="your own shard dir instead of the built-in corpus")
     parser.add_argument("--task-dir", type=Path, help="your own task (train.jsonl, validation.jsonl: text, label)")
+    parser.add_argument("--ood-task-dir", type=Path,
+                        help="your own out-of-domain task (None: the built-in AWS reference passages, cloud_docs_task)")
+    parser.add_argument("--ood-seeds", type=bounded(int, min=1), default=8, help="fine-tuning seeds on it, per init")
     parser.add_argument("--vocab-size", type=bounded(int, min=1), default=8000)
     parser.add_argument("--objective", choices=("electra", "mlm"), default="electra")
     parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
@@ -131,31 +136,39 @@ def main(argv: list[str] | None = None) -> None:
     label = args.label or (f"{args.objective}-{args.preset}-{args.steps}steps"
                            + (f"-gen{args.generator_multiplier:g}" if args.generator_multiplier else ""))
     work = args.work_dir.resolve()
-    shards, task = prepare_data(work / "data", args.vocab_size)  # the quickstart's data, built once
-    shards, task = args.shards or shards, args.task_dir or task
+    data = prepare_data(work / "data", args.vocab_size)  # the quickstart's data, built once
+    shards, task, ood = args.shards or data.shards, args.task_dir or data.task, args.ood_task_dir or data.cloud_docs
     run = work / label
     checkpoints = pretrain(args, shards, run)
     protocols = args.protocols.split(",")
     extra = ["--learning-rate", str(args.finetune_lr)] + [a for arg in args.finetune_arg for a in arg.split()]
+    recipe = {p: ["--max-seq-length", "64", *PROTOCOLS[p], *extra] for p in protocols}
     started = time.perf_counter()
-    baseline = {p: finetune(checkpoints[-1], task, work / "random_init" / args.preset / p, p, args.seeds, True, extra)
+    baseline = {p: finetune(checkpoints[-1], task, work / "random_init" / args.preset / p, recipe[p], args.seeds, True)
                 for p in protocols}
     rows = []
     for ckpt in checkpoints:
-        step = int(ckpt.name[4:])
         for protocol in protocols if ckpt == checkpoints[-1] else protocols[:1]:
-            got = finetune(ckpt, task, run / "finetune" / f"{ckpt.name}-{protocol}", protocol, args.seeds, False, extra)
-            rows.append({"step": step, "protocol": protocol, **got, "random_init": baseline[protocol]})
+            got = finetune(ckpt, task, run / "finetune" / f"{ckpt.name}-{protocol}", recipe[protocol], args.seeds, False)
+            rows.append(Margin(f"step {int(ckpt.name[4:])}, {protocol}", "accuracy x 100", got, baseline[protocol]))
+    # The out-of-domain task, the last checkpoint against random init, with the quickstart's recipe and seeds.
+    ood_recipe = list(FINETUNE_CLOUD_DOCS)
+    ood_margin = Margin(f"out of domain ({ood.name}), last checkpoint", "accuracy x 100",
+                        finetune(checkpoints[-1], ood, run / "finetune" / f"ood-{ood.name}", ood_recipe, args.ood_seeds,
+                                 False),
+                        finetune(checkpoints[-1], ood, work / "random_init" / args.preset / f"ood-{ood.name}",
+                                 ood_recipe, args.ood_seeds, True))
     print(f"fine-tuning: {time.perf_counter() - started:.0f} s", flush=True)
-    summary = {"label": label, "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+    summary = {"label": label, "args": {k: str(v) for k, v in vars(args).items()},
+               "rows": [m.as_dict() for m in rows], "out_of_domain": ood_margin.as_dict(),
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     (run / "transfer.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"\n{label}: dev accuracy, median over {args.seeds} seeds [min, max]")
-    print(f"{'step':>7} {'protocol':<10} {'pretrained':>22} {'random init':>22} {'gain':>7}")
-    for r in rows:
-        fmt = lambda d: f"{d['median']:.3f} [{min(d['scores']):.3f}, {max(d['scores']):.3f}]"  # noqa: E731
-        print(f"{r['step']:>7} {r['protocol']:<10} {fmt(r):>22} {fmt(r['random_init']):>22} "
-              f"{r['median'] - r['random_init']['median']:>+7.3f}")
+    print(f"\n{label}: dev accuracy x 100, median over the seeds [min, max]; gain and its bootstrap 95% interval")
+    print(f"{'checkpoint, protocol':<34} {'pretrained':>18} {'random init':>18} {'gain':>6}  interval")
+    for m in [*rows, ood_margin]:
+        fmt = lambda scores: f"{statistics.median(scores):.1f} [{min(scores):.1f}, {max(scores):.1f}]"  # noqa: E731
+        low, high = m.interval
+        print(f"{m.task:<34} {fmt(m.pretrained):>18} {fmt(m.random_init):>18} {m.value:>+6.1f}  {low:+.1f} to {high:+.1f}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import ast
 import importlib.metadata
 import json
 import os
-import random
 import re
 import sys
 import sysconfig
@@ -46,6 +45,8 @@ from pathlib import Path
 
 from convbert_ds.data.builtin_corpus import _DEFINITIONS, _docstrings, _prose_paragraphs, _stdlib_files
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.data.cloud_docs_task import task_pool as cloud_docs_pool
+from convbert_ds.data.labelled_task import dedup_key, write_balanced_task
 from convbert_ds.fsutil import write_text_atomically
 
 # label -> (what the library is for, its top-level names in site-packages).
@@ -149,11 +150,6 @@ def _summaries(name: str) -> tuple[str, ...]:
     return tuple(summaries)
 
 
-def _dedup_key(text: str) -> str:
-    """Case and punctuation are ignored when deciding that two examples are the same."""
-    return " ".join(_TOKEN.findall(text.lower()))
-
-
 @lru_cache(maxsize=1)
 def task_pool() -> dict[str, tuple[str, ...]]:
     """Every usable example of every class, deduplicated, in sorted order.
@@ -166,7 +162,7 @@ def task_pool() -> dict[str, tuple[str, ...]]:
     text_of: dict[str, str] = {}
     for label, (_, names) in TASK_CLASSES.items():
         for text in (s for name in names for s in _summaries(name) if not _LIBRARY_NAME.search(s)):
-            key = _dedup_key(text)
+            key = dedup_key(text)
             labels_of[key].add(label)
             text_of.setdefault(key, text)
     pool: dict[str, list[str]] = {label: [] for label in TASK_CLASSES}
@@ -178,35 +174,13 @@ def task_pool() -> dict[str, tuple[str, ...]]:
 
 def write_transfer_task(out_dir: str | os.PathLike, train_per_class: int = 500, dev_per_class: int = 100,
                         seed: int = 0) -> dict:
-    """Write ``train.jsonl`` and ``validation.jsonl`` ({"text", "label"} per line), balanced by class.
-
-    Each class's pool is shuffled with ``seed``; dev takes the first
-    ``dev_per_class`` examples and train the next ``train_per_class``, so the
-    two splits are disjoint. Returns a description of what was written.
-    """
+    """Write the task's ``train.jsonl`` and ``validation.jsonl`` (``write_balanced_task``); returns a description."""
     pool = task_pool()
-    short = {label: len(texts) for label, texts in pool.items() if len(texts) < train_per_class + dev_per_class}
-    if short:
-        raise ValueError(f"not enough examples for {train_per_class}+{dev_per_class} per class: {short}")
-    rng = random.Random(seed)
-    splits: dict[str, list[dict[str, str]]] = {"train": [], "validation": []}
-    for label, texts in pool.items():
-        shuffled = list(texts)
-        rng.shuffle(shuffled)
-        splits["validation"] += [{"text": t, "label": label} for t in shuffled[:dev_per_class]]
-        splits["train"] += [{"text": t, "label": label}
-                            for t in shuffled[dev_per_class:dev_per_class + train_per_class]]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for split, rows in splits.items():
-        rng.shuffle(rows)
-        write_text_atomically(out_dir / f"{split}.jsonl",
-                              "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    counts = write_balanced_task(pool, out_dir, train_per_class, dev_per_class, seed)
     return {"source": "first paragraph of class/function docstrings of pinned packages, labelled by package",
             "classes": {label: description for label, (description, _) in TASK_CLASSES.items()},
             "versions": {dist: importlib.metadata.version(dist) for dist in _TASK_DISTRIBUTIONS},
-            "counts": {split: len(rows) for split, rows in splits.items()},
-            "per_class": {"train": train_per_class, "validation": dev_per_class},
+            "counts": counts, "per_class": {"train": train_per_class, "validation": dev_per_class},
             "pool_sizes": {label: len(texts) for label, texts in pool.items()}, "seed": seed}
 
 
@@ -223,8 +197,11 @@ def _shingles(text: str) -> set[tuple[str, ...]]:
 
 @lru_cache(maxsize=4)
 def excluded_shingles(exclude: frozenset[str]) -> frozenset[tuple[str, ...]]:
-    """Shingles of every summary in the excluded packages: a superset of the task's, whatever the seed."""
-    return frozenset(s for name in sorted(exclude) for text in _summaries(name) for s in _shingles(text))
+    """Shingles of every summary in the excluded packages (a superset of the task's, whatever the seed) and of
+    every passage of the out-of-domain task (``cloud_docs_task``), which the corpus must not hold either."""
+    held_out = [text for name in sorted(exclude) for text in _summaries(name)]
+    held_out += [text for texts in cloud_docs_pool().values() for text in texts]
+    return frozenset(s for text in held_out for s in _shingles(text))
 
 
 def _copies_excluded_text(paragraph: str, banned: frozenset[tuple[str, ...]], lengths: Iterable[int]) -> bool:

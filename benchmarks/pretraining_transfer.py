@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'checkpoint, protocol':<34} {'pretrained':>18} {'random init':>18} {'gain':>6}  interval")
     for m in [*rows, ood_margin]:
         fmt = lambda scores: f"{statistics.median(scores):.1f} [{min(scores):.1f}, {max(scores):.1f}]"  # noqa: E731
-        low, high = m.interval
-        print(f"{m.task:<34} {fmt(m.pretrained):>18} {fmt(m.random_init):>18} {m.value:>+6.1f}  {low:+.1f} to {high:+.1f}")
+        interval = f"{m.interval[0]:+.1f} to {m.interval[1]:+.1f}" if m.interval else "(too few seeds)"
+        print(f"{m.task:<34} {fmt(m.pretrained):>18} {fmt(m.random_init):>18} {m.value:>+6.1f}  {interval}")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,11 @@ def _recipe_options(parser: argparse.ArgumentParser) -> None:
         "layerwise_lr_decay": "LR factor per layer below the top (1 turns the decay off)",
         "weight_decay": "AdamW weight decay (not on biases and LayerNorm weights)",
         "warmup_fraction": "share of the steps with linear LR warm-up",
-        "epochs": "training epochs (None: 3, or 10 for RTE and STS-B)",
+        "epochs": "training epochs (None: 3, or 10 for RTE and STS-B, 2 for SQuAD)",
         "batch_size": "training examples per step, over all ranks",
         "eval_batch_size": "examples per evaluation batch",
-        "max_seq_length": "tokens per example (longer ones are truncated)",
+        "max_seq_length": "tokens per example (longer ones are truncated; None: 128, 512 for SQuAD's windows, "
+                          "256 for tagging, at most the model's positions)",
         "dropout": "classifier and body dropout (None: the model's hidden_dropout_prob)",
         "adam_beta1": "AdamW beta1",
         "adam_beta2": "AdamW beta2",

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BOOTSTRAP_DRAWS = 10_000
+# Below this many seeds a side, resampling them says little (2 seeds give 3 possible medians): no interval.
+MIN_SEEDS_FOR_INTERVAL = 5
 
 
 def seed_scores(results_dir: Path, metric: str, scale: float = 1.0) -> list[float]:
@@ -48,20 +50,24 @@ class Margin:
         return statistics.median(self.pretrained) - statistics.median(self.random_init)
 
     @property
-    def interval(self) -> tuple[float, float]:
+    def interval(self) -> tuple[float, float] | None:
+        """The bootstrap 95% interval, or None with fewer than ``MIN_SEEDS_FOR_INTERVAL`` seeds a side."""
+        if min(len(self.pretrained), len(self.random_init)) < MIN_SEEDS_FOR_INTERVAL:
+            return None
         return bootstrap_interval(self.pretrained, self.random_init)
 
     def as_dict(self) -> dict:
-        low, high = self.interval
-        return {"task": self.task, "metric": self.metric, "margin": self.value, "interval95": [low, high],
+        return {"task": self.task, "metric": self.metric, "margin": self.value,
+                "interval95": list(self.interval) if self.interval else None,
                 "pretrained": self.pretrained, "random_init": self.random_init}
 
     def report(self) -> str:
-        low, high = self.interval
         above = sum(score > max(self.random_init) for score in self.pretrained)
         show = lambda scores: ", ".join(f"{s:.1f}" for s in scores)  # noqa: E731
+        interval = (f"95% interval {self.interval[0]:+.1f} to {self.interval[1]:+.1f} (bootstrap over seeds)"
+                    if self.interval else f"no interval under {MIN_SEEDS_FOR_INTERVAL} seeds a side")
         return (f"{self.task}: dev {self.metric}, median over {len(self.pretrained)} seed(s)\n"
                 f"  pretrained   {statistics.median(self.pretrained):5.1f}  ({show(self.pretrained)})\n"
                 f"  random init  {statistics.median(self.random_init):5.1f}  ({show(self.random_init)})\n"
-                f"  margin       {self.value:+5.1f} points, 95% interval {low:+.1f} to {high:+.1f} (bootstrap over "
-                f"seeds); {above}/{len(self.pretrained)} pretrained seeds above the best random-init seed")
+                f"  margin       {self.value:+5.1f} points, {interval}; {above}/{len(self.pretrained)} pretrained "
+                f"seeds above the best random-init seed")

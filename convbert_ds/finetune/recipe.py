@@ -19,6 +19,8 @@ from convbert_ds.finetune.errors import FinetuneError
 PRECISIONS = ("auto", "fp32", "bf16")
 _LONG_TASKS = ("rte", "stsb")  # ELECTRA trains these small sets for 10 epochs instead of 3
 _TWO_EPOCH_TASKS = ("squad", "squad_v2")  # and SQuAD for 2
+# ELECTRA's max lengths where not 128: SQuAD's contexts in windows of 512, tagging's sentences ("chunk") 256.
+_MAX_SEQ_LENGTHS = {"squad": 512, "squad_v2": 512, "conll": 256, "tokens": 256}
 
 
 # The valid range of every numeric field (None, where a field allows it, is always valid: "the default").
@@ -44,7 +46,7 @@ class Recipe:
     epochs: float | None = None
     batch_size: int = 32
     eval_batch_size: int = 128
-    max_seq_length: int = 128
+    max_seq_length: int | None = None
     dropout: float | None = None
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -73,6 +75,9 @@ class Recipe:
             self,
             learning_rate=self.learning_rate or default_learning_rate(model.hidden_size),
             epochs=self.epochs or (10.0 if task_name in _LONG_TASKS else 2.0 if task_name in _TWO_EPOCH_TASKS else 3.0),
+            # the task's default length, no longer than the model's positions; a length asked for is checked below
+            max_seq_length=self.max_seq_length or min(_MAX_SEQ_LENGTHS.get(task_name, 128),
+                                                      model.max_position_embeddings),
             dropout=model.hidden_dropout_prob if self.dropout is None else self.dropout,
             precision=("bf16" if cuda else "fp32") if self.precision == "auto" else self.precision)
         if resolved.max_seq_length > model.max_position_embeddings:

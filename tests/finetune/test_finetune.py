@@ -3,6 +3,7 @@ a custom task made of real docstring sentences, transformers as the oracle for `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -332,6 +333,14 @@ def test_recipe_defaults_follow_the_paper_and_electra(hf_model):
     assert Recipe().resolve("sst2", base, cuda=True).learning_rate == 1e-4
     assert Recipe().resolve("sst2", base, cuda=True).precision == "bf16"
     assert Recipe(learning_rate=2e-5, epochs=1.5).resolve("rte", base, cuda=False).epochs == 1.5
+    # ELECTRA's lengths: 128, SQuAD's windows 512 (and 2 epochs), tagging 256; never past the model's positions
+    squad = Recipe().resolve("squad", small, cuda=False)
+    assert (resolved.max_seq_length, squad.max_seq_length, squad.epochs) == (128, 512, 2)
+    assert Recipe().resolve("conll", small, cuda=False).max_seq_length == 256
+    short = dataclasses.replace(small, max_position_embeddings=200)
+    assert Recipe().resolve("squad_v2", short, cuda=False).max_seq_length == 200
+    with pytest.raises(FinetuneError, match="--max-seq-length=512: the model has only max_position_embeddings=200"):
+        Recipe(max_seq_length=512).resolve("sst2", short, cuda=False)
     with pytest.raises(FinetuneError, match="--precision=bf16 needs a CUDA GPU"):
         Recipe(precision="bf16").resolve("sst2", small, cuda=False)
     # 10 steps, 2 of warm-up: 0, 0.5, then linear decay to 0 at step 10.

@@ -33,9 +33,12 @@ def test_scores_are_read_per_seed_and_reported(tmp_path):
         {"seed": 0, "final": {"validation": {"accuracy": 0.5}}},
         {"seed": 1, "final": {"validation": {"accuracy": 0.75}}}]}))
     assert seed_scores(tmp_path, "accuracy", 100) == [50.0, 75.0]
-    margin = Margin("docstrings", "accuracy x 100", [50.0, 75.0], [40.0, 45.0])
-    report = margin.report()
+    few = Margin("docstrings", "accuracy x 100", [50.0, 75.0], [40.0, 45.0])
+    report = few.report()
     assert "margin       +20.0 points" in report and "2/2 pretrained seeds above" in report
-    assert margin.as_dict()["interval95"] == list(margin.interval)
+    assert few.interval is None and "no interval under 5 seeds" in report and few.as_dict()["interval95"] is None
+    enough = Margin("cloud", "accuracy x 100", [70.0, 71.0, 72.0, 73.0, 74.0], [60.0, 62.0, 64.0, 66.0, 68.0])
+    assert enough.as_dict()["interval95"] == list(enough.interval)
+    assert f"95% interval {enough.interval[0]:+.1f} to {enough.interval[1]:+.1f}" in enough.report()
     with pytest.raises(KeyError):
         seed_scores(tmp_path, "f1")

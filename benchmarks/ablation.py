@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import io
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/ablation.py` finds its sibling
 
-from benchmarks.pretraining_transfer import PROTOCOLS, finetune, pretrain  # noqa: E402
+from benchmarks.pretraining_transfer import PROTOCOLS, finetune, pretrain, protocol_recipe  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.config import PRESET_NAMES, ElectraConfig  # noqa: E402
 from convbert_ds.engine.flops import training_flops_per_sample  # noqa: E402
@@ -129,7 +130,8 @@ def finetune_or_error(args, checkpoint: Path, task: Path, out: Path, random_init
     tee = _Tee()
     try:
         with contextlib.redirect_stderr(tee):
-            return finetune(checkpoint, task, out, args.protocol, args.seeds, random_init, extra)
+            scores = finetune(checkpoint, task, out, protocol_recipe(args.protocol, extra), args.seeds, random_init)
+        return {"median": statistics.median(scores), "scores": scores}
     except SystemExit as failure:
         said = [line.split(": ", 1)[1] for line in tee.getvalue().splitlines() if line.startswith("finetune error: ")]
         return {"error": said[-1] if said else str(failure)}

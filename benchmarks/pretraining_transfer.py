@@ -87,8 +87,13 @@ def pretrain(args, shards: Path, run: Path) -> list[Path]:
     return [run / "checkpoints" / f"step{s:08d}" for s in steps if s % interval == 0 or s == args.steps]
 
 
+def protocol_recipe(protocol: str, extra: list[str]) -> list[str]:
+    """The fine-tuning options of a protocol: max length 64 (the task's texts fit), its epochs, then ``extra``."""
+    return ["--max-seq-length", "64", *PROTOCOLS[protocol], *extra]
+
+
 def finetune(model: Path, task: Path, out: Path, recipe: list[str], seeds: int, random_init: bool) -> list[float]:
-    """Dev accuracy x 100 per seed of ``python -m convbert_ds.finetune`` on ``task`` (kept in OUT: reruns reuse it)."""
+    """Dev accuracy per seed of ``python -m convbert_ds.finetune`` on ``task`` (kept in OUT: reruns reuse it)."""
     from convbert_ds.finetune.__main__ import main as finetune_main
 
     if not (out / "results.json").exists():
@@ -99,7 +104,11 @@ def finetune(model: Path, task: Path, out: Path, recipe: list[str], seeds: int, 
             args.append("--random-init")
         if finetune_main(args) != 0:
             raise SystemExit(f"fine-tuning failed: {out}")
-    return seed_scores(out, "accuracy", 100.0)
+    return seed_scores(out, "accuracy")
+
+
+def _points(scores: list[float]) -> list[float]:
+    return [100 * score for score in scores]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     checkpoints = pretrain(args, shards, run)
     protocols = args.protocols.split(",")
     extra = ["--learning-rate", str(args.finetune_lr)] + [a for arg in args.finetune_arg for a in arg.split()]
-    recipe = {p: ["--max-seq-length", "64", *PROTOCOLS[p], *extra] for p in protocols}
+    recipe = {p: protocol_recipe(p, extra) for p in protocols}
     started = time.perf_counter()
     baseline = {p: finetune(checkpoints[-1], task, work / "random_init" / args.preset / p, recipe[p], args.seeds, True)
                 for p in protocols}
@@ -150,25 +159,26 @@ def main(argv: list[str] | None = None) -> None:
     for ckpt in checkpoints:
         for protocol in protocols if ckpt == checkpoints[-1] else protocols[:1]:
             got = finetune(ckpt, task, run / "finetune" / f"{ckpt.name}-{protocol}", recipe[protocol], args.seeds, False)
-            rows.append(Margin(f"step {int(ckpt.name[4:])}, {protocol}", "accuracy x 100", got, baseline[protocol]))
+            rows.append(Margin(f"step {int(ckpt.name[4:])}, {protocol}", "accuracy x 100", _points(got),
+                               _points(baseline[protocol])))
     # The out-of-domain task, the last checkpoint against random init, with the quickstart's recipe and seeds.
     ood_recipe = list(FINETUNE_CLOUD_DOCS)
     ood_margin = Margin(f"out of domain ({ood.name}), last checkpoint", "accuracy x 100",
-                        finetune(checkpoints[-1], ood, run / "finetune" / f"ood-{ood.name}", ood_recipe, args.ood_seeds,
-                                 False),
-                        finetune(checkpoints[-1], ood, work / "random_init" / args.preset / f"ood-{ood.name}",
-                                 ood_recipe, args.ood_seeds, True))
+                        _points(finetune(checkpoints[-1], ood, run / "finetune" / f"ood-{ood.name}", ood_recipe,
+                                         args.ood_seeds, False)),
+                        _points(finetune(checkpoints[-1], ood, work / "random_init" / args.preset / f"ood-{ood.name}",
+                                         ood_recipe, args.ood_seeds, True)))
     print(f"fine-tuning: {time.perf_counter() - started:.0f} s", flush=True)
     summary = {"label": label, "args": {k: str(v) for k, v in vars(args).items()},
                "rows": [m.as_dict() for m in rows], "out_of_domain": ood_margin.as_dict(),
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     (run / "transfer.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\n{label}: dev accuracy x 100, median over the seeds [min, max]; gain and its bootstrap 95% interval")
-    print(f"{'checkpoint, protocol':<34} {'pretrained':>18} {'random init':>18} {'gain':>6}  interval")
+    print(f"{'checkpoint, protocol':<46} {'pretrained':>18} {'random init':>18} {'gain':>6}  interval")
     for m in [*rows, ood_margin]:
         fmt = lambda scores: f"{statistics.median(scores):.1f} [{min(scores):.1f}, {max(scores):.1f}]"  # noqa: E731
         interval = f"{m.interval[0]:+.1f} to {m.interval[1]:+.1f}" if m.interval else "(too few seeds)"
-        print(f"{m.task:<34} {fmt(m.pretrained):>18} {fmt(m.random_init):>18} {m.value:>+6.1f}  {interval}")
+        print(f"{m.task:<46} {fmt(m.pretrained):>18} {fmt(m.random_init):>18} {m.value:>+6.1f}  {interval}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ their ``METADATA``, their ``.md``/``.rst`` files), exact duplicate paragraphs
 removed. The task is kept out twice over: its packages and their READMEs are
 not read (``TASK_EXCLUDED_NAMES``), and a paragraph containing a run of
 ``SHINGLE_WORDS`` words of any summary in those packages (all of a shorter
-summary) is dropped, which catches docstrings other packages copied from them.
+summary) is dropped, which catches docstrings other packages copied from them. The
+same filter keeps out the passages of the out-of-domain task (``cloud_docs_task``).
 
 Files are parsed (``ast``) or read, never imported, in sorted order, so both
 outputs are the same on every run of the same installation.

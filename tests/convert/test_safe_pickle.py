@@ -89,7 +89,8 @@ def test_every_file_of_a_real_checkpoint_loads_weights_only(layout, checkpoint):
         state = safe_load(file)  # whole, not memory-mapped: the tensors' bytes are read too
         assert isinstance(state, dict), file.name  # (a pipeline layer without parameters saves an empty one)
         needed = set(torch.serialization.get_unsafe_globals_in_checkpoint(file))  # beyond torch's own safe set
-        assert needed <= set(ALLOWED_GLOBALS), (file.name, needed)
+        # getattr: where Python pickles Enum members by name, the guarded getattr of safe_pickle stands in for it
+        assert needed - {"builtins.getattr"} <= set(ALLOWED_GLOBALS), (file.name, needed)
 
 
 @pytest.mark.slow

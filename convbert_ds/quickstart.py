@@ -13,7 +13,7 @@
 5. ``convbert_ds.finetune`` on each task, the converted discriminator against the same architecture from
    random weights, over seeds; the margin of each, with a bootstrap 95% interval over the seeds.
 
-About 18 minutes on 2 CPU cores, set-up included; ``--smoke`` runs every step on a small budget in a few
+About 20 minutes on 2 CPU cores, set-up included; ``--smoke`` runs every step on a small budget in a few
 minutes (its model is too small to beat random init: it checks the machinery, not the claim). Rerunning
 resumes training from the last checkpoint; fine-tuning is redone.
 """

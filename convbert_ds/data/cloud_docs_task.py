@@ -23,12 +23,11 @@ import importlib.util
 import json
 import re
 import sys
-from collections import defaultdict
 from functools import lru_cache
 from pathlib import Path
 
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
-from convbert_ds.data.labelled_task import dedup_key, write_balanced_task
+from convbert_ds.data.labelled_task import unambiguous_pool, write_balanced_task
 
 # label -> (what the service is for, its folder in botocore/data)
 SERVICES: dict[str, tuple[str, str]] = {
@@ -69,19 +68,10 @@ def _passages(model: dict) -> list[str]:
 @lru_cache(maxsize=1)
 def task_pool() -> dict[str, tuple[str, ...]]:
     """Every usable passage of every service, deduplicated, sorted; a passage of two services is dropped."""
-    labels_of: dict[str, set[str]] = defaultdict(set)
-    text_of: dict[str, str] = {}
-    for label, (_, folder) in SERVICES.items():
-        for text in _passages(_service_model(folder)):
-            if MIN_WORDS <= len(text.split()) <= MAX_WORDS and not _SERVICE_NAME.search(text):
-                key = dedup_key(text)
-                labels_of[key].add(label)
-                text_of.setdefault(key, text)
-    pool: dict[str, list[str]] = {label: [] for label in SERVICES}
-    for key, labels in labels_of.items():
-        if len(labels) == 1:
-            pool[labels.pop()].append(text_of[key])
-    return {label: tuple(sorted(texts)) for label, texts in pool.items()}
+    return unambiguous_pool(((label, text) for label, (_, folder) in SERVICES.items()
+                             for text in _passages(_service_model(folder))
+                             if MIN_WORDS <= len(text.split()) <= MAX_WORDS and not _SERVICE_NAME.search(text)),
+                            SERVICES)
 
 
 def write_cloud_docs_task(out_dir, train_per_class: int = 60, dev_per_class: int = 60, seed: int = 0) -> dict:

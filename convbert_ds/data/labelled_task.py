@@ -12,6 +12,8 @@ import json
 import os
 import random
 import re
+from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 from convbert_ds.fsutil import write_text_atomically
@@ -22,6 +24,22 @@ _TOKEN = re.compile(r"[a-z0-9]+")
 def dedup_key(text: str) -> str:
     """Case and punctuation are ignored when deciding that two examples are the same."""
     return " ".join(_TOKEN.findall(text.lower()))
+
+
+def unambiguous_pool(labelled: Iterable[tuple[str, str]], labels: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """(label, text) pairs -> label -> its texts, deduplicated (``dedup_key``) and sorted. A text found under
+    two labels is dropped from both: it cannot be classified, and keeping it would put one text in train and dev."""
+    labels_of: dict[str, set[str]] = defaultdict(set)
+    text_of: dict[str, str] = {}
+    for label, text in labelled:
+        key = dedup_key(text)
+        labels_of[key].add(label)
+        text_of.setdefault(key, text)
+    pool: dict[str, list[str]] = {label: [] for label in labels}
+    for key, found in labels_of.items():
+        if len(found) == 1:
+            pool[found.pop()].append(text_of[key])
+    return {label: tuple(sorted(texts)) for label, texts in pool.items()}
 
 
 def write_balanced_task(pool: dict[str, tuple[str, ...]], out_dir: str | os.PathLike, train_per_class: int,

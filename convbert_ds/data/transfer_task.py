@@ -39,7 +39,6 @@ import re
 import sys
 import sysconfig
 import time
-from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -47,7 +46,7 @@ from pathlib import Path
 from convbert_ds.data.builtin_corpus import _DEFINITIONS, _docstrings, _prose_paragraphs, _stdlib_files
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.data.cloud_docs_task import task_pool as cloud_docs_pool
-from convbert_ds.data.labelled_task import dedup_key, write_balanced_task
+from convbert_ds.data.labelled_task import unambiguous_pool, write_balanced_task
 from convbert_ds.fsutil import write_text_atomically
 
 # label -> (what the library is for, its top-level names in site-packages).
@@ -159,18 +158,9 @@ def task_pool() -> dict[str, tuple[str, ...]]:
     dropped from both: it cannot be classified, and keeping it would put one
     text in train and dev.
     """
-    labels_of: dict[str, set[str]] = defaultdict(set)
-    text_of: dict[str, str] = {}
-    for label, (_, names) in TASK_CLASSES.items():
-        for text in (s for name in names for s in _summaries(name) if not _LIBRARY_NAME.search(s)):
-            key = dedup_key(text)
-            labels_of[key].add(label)
-            text_of.setdefault(key, text)
-    pool: dict[str, list[str]] = {label: [] for label in TASK_CLASSES}
-    for key, labels in labels_of.items():
-        if len(labels) == 1:
-            pool[labels.pop()].append(text_of[key])
-    return {label: tuple(sorted(texts)) for label, texts in pool.items()}
+    return unambiguous_pool(((label, text) for label, (_, names) in TASK_CLASSES.items()
+                             for name in names for text in _summaries(name) if not _LIBRARY_NAME.search(text)),
+                            TASK_CLASSES)
 
 
 def write_transfer_task(out_dir: str | os.PathLike, train_per_class: int = 500, dev_per_class: int = 100,

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from convbert_ds.data import transfer_task as tt
+from convbert_ds.data.labelled_task import dedup_key
 
 
 def _read(path: Path) -> list[dict[str, str]]:
@@ -30,7 +31,7 @@ def test_classes_and_counts(task):
 
 
 def test_splits_are_disjoint_and_deduplicated(task):
-    keys = {split: [tt.dedup_key(row["text"]) for row in task[split]] for split in ("train", "validation")}
+    keys = {split: [dedup_key(row["text"]) for row in task[split]] for split in ("train", "validation")}
     assert all(len(set(k)) == len(k) for k in keys.values())
     assert not set(keys["train"]) & set(keys["validation"])
 
@@ -74,7 +75,7 @@ def test_bounded_corpus_holds_no_task_text(task, tmp_path):
     corpus = tt.write_pretraining_corpus(tmp_path / "corpus.txt", max_bytes=1_500_000)
     text = corpus.read_text(encoding="utf-8")
     assert len(text) > 1_000_000
-    normalized = tt.dedup_key(text)
+    normalized = dedup_key(text)
     leaked = [row["text"] for row in task["train"] + task["validation"]
-              if f" {tt.dedup_key(row['text'])} " in f" {normalized} "]
+              if f" {dedup_key(row['text'])} " in f" {normalized} "]
     assert not leaked

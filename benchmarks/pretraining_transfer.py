@@ -99,7 +99,7 @@ def finetune(model: Path, task: Path, out: Path, recipe: list[str], seeds: int, 
     if not (out / "results.json").exists():
         args = ["--model", str(model), "--train", str(task / "train.jsonl"), "--validation",
                 str(task / "validation.jsonl"), "--text-column", "text", "--label-column", "label", "--out", str(out),
-                "--seeds", str(seeds), *recipe]
+                "--seeds", str(seeds), "--eval-every-epochs", "0", *recipe]  # the margins read the last epoch
         if random_init:
             args.append("--random-init")
         if finetune_main(args) != 0:

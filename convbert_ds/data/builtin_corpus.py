@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import sysconfig
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,13 +46,26 @@ def _stdlib_files() -> list[Path]:
 _DEFINITIONS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
+# The nodes whose bodies hold statements: a definition (and so a docstring) is never inside an expression.
+_STATEMENT_HOLDERS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def _statements(tree: ast.Module) -> Iterator[ast.AST]:
+    """``ast.walk``'s nodes in its order, less the expressions (about 7 in 8 nodes of the standard library)."""
+    queue = deque([tree])
+    while queue:
+        node = queue.popleft()
+        yield node
+        queue.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _STATEMENT_HOLDERS))
+
+
 def _docstrings(path: Path, kinds: tuple[type, ...] = (ast.Module, *_DEFINITIONS)) -> Iterator[str]:
     """Docstrings of one file's nodes of ``kinds`` (default: the module's, its classes' and functions')."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError):
         return
-    for node in ast.walk(tree):
+    for node in _statements(tree):
         if isinstance(node, kinds):
             doc = ast.get_docstring(node, clean=True)
             if doc:

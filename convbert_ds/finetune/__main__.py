@@ -45,6 +45,8 @@ def _recipe_options(parser: argparse.ArgumentParser) -> None:
         "examples_per_class": "low-resource runs: this many training examples per class (one seeded subset)",
         "max_train_examples": "train on at most this many examples (one seeded subset)",
         "save_steps": "write the resumable state every N steps (and after every epoch)",
+        "eval_every_epochs": "evaluate after every N-th epoch and after the last (0: after the last only; "
+                             "training is the same either way, so the final metrics are too)",
     }
     for field in dataclasses.fields(Recipe):
         choices = PRECISIONS if field.name == "precision" else None

@@ -1,8 +1,8 @@
 """One seed of fine-tuning: AdamW with layer-wise LR decay, linear warm-up/decay, evaluation after every
-epoch, and a resumable state.
+epoch (or every N-th, and the last), and a resumable state.
 
 State on disk (``STATE_DIR/state.pt``, replaced atomically; rank 0 writes, every rank reads):
-``{"step", "model", "optimizer", "rng", "history"}`` where ``history`` holds one entry per finished epoch
+``{"step", "model", "optimizer", "rng", "history"}`` where ``history`` holds one entry per evaluated epoch
 ``{"epoch", "step", "metrics": {split: {metric: value}}}``. A killed run restarts from the last state: the
 data order comes from (seed, epoch) and the RNG state is restored, so it continues as if never stopped.
 The per-step log ``LOG`` (JSON lines ``{"step", "loss", "lr"}``) is cut back to the saved step on resume.
@@ -181,12 +181,14 @@ def train_seed(model: torch.nn.Module, objective, train, evals: dict, recipe: Re
                 log_file.write(json.dumps({"step": step, "loss": loss, "lr": recipe.learning_rate * factor}) + "\n")
                 log_file.flush()
             if step % steps_per_epoch == 0 or step == total:
-                metrics = objective.evaluate(model, evals, recipe, place.device) if place.main else {}
-                history.append({"epoch": math.ceil(step / steps_per_epoch), "step": step, "metrics": metrics})
-                if place.main:
-                    primary = next(iter(metrics))
-                    bar.write(f"seed {seed} epoch {history[-1]['epoch']} step {step}: "
-                              + ", ".join(f"{k} {v:.4f}" for k, v in metrics[primary].items()))
+                finished = math.ceil(step / steps_per_epoch)  # epochs done, the last maybe partial
+                if step == total or (recipe.eval_every_epochs and finished % recipe.eval_every_epochs == 0):
+                    metrics = objective.evaluate(model, evals, recipe, place.device) if place.main else {}
+                    history.append({"epoch": finished, "step": step, "metrics": metrics})
+                    if place.main:
+                        primary = next(iter(metrics))
+                        bar.write(f"seed {seed} epoch {finished} step {step}: "
+                                  + ", ".join(f"{k} {v:.4f}" for k, v in metrics[primary].items()))
                 save()
             elif step % recipe.save_steps == 0:
                 save()

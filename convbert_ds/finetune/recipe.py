@@ -34,6 +34,7 @@ RANGES = {
     "grad_clip": bounded(float, min=0),  # 0 turns clipping off
     "seeds": bounded(int, min=1), "first_seed": bounded(int, min=0), "examples_per_class": bounded(int, min=1),
     "max_train_examples": bounded(int, min=1), "save_steps": bounded(int, min=1),
+    "eval_every_epochs": bounded(int, min=0),  # 0: only after the last epoch
 }
 
 
@@ -58,6 +59,7 @@ class Recipe:
     examples_per_class: int | None = None
     max_train_examples: int | None = None
     save_steps: int = 200
+    eval_every_epochs: int = 1
 
     def validate(self) -> None:
         """Each field against its range in ``RANGES`` (the command line's parser uses the same ones)."""

@@ -79,3 +79,41 @@ def test_bounded_corpus_holds_no_task_text(task, tmp_path):
     leaked = [row["text"] for row in task["train"] + task["validation"]
               if f" {dedup_key(row['text'])} " in f" {normalized} "]
     assert not leaked
+
+
+def test_definitions_found_without_walking_expressions_are_ast_walks():
+    """The corpus skips expressions when looking for docstrings: the same definitions, in ast.walk's order, on
+    definitions nested in every kind of statement and on real files."""
+    import ast
+
+    from convbert_ds.data.builtin_corpus import _DEFINITIONS, _statements, _stdlib_files
+
+    nested = '''
+"""module"""
+class A:
+    """a"""
+    def f(self):
+        """f"""
+        if x:
+            def g(): """g"""
+        try:
+            pass
+        except E:
+            def h(): """h"""
+        else:
+            async def i(): """i"""
+        finally:
+            with c:
+                class J: """j"""
+    match v:
+        case 1:
+            def k(): """k"""
+    y = [lambda: 0 for _ in z]
+'''
+    sources = [nested] + [path.read_text(encoding="utf-8") for path in _stdlib_files()[:40]]
+    for source in sources:
+        tree = ast.parse(source)
+        want = [node for node in ast.walk(tree) if isinstance(node, (ast.Module, *_DEFINITIONS))]
+        assert [node for node in _statements(tree) if isinstance(node, (ast.Module, *_DEFINITIONS))] == want
+    found = [ast.get_docstring(n) for n in _statements(ast.parse(nested)) if isinstance(n, (ast.Module, *_DEFINITIONS))]
+    assert sorted(found) == ["a", "f", "g", "h", "i", "j", "k", "module"]

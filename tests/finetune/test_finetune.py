@@ -143,6 +143,19 @@ def test_custom_task_over_seeds_and_best_reproduced_by_transformers(hf_model, ta
     assert _transformers_metric(out / "best", task / "dev.jsonl") == pytest.approx(best)
 
 
+def test_fewer_evaluations_leave_training_and_the_final_metrics_unchanged(hf_model, task, tmp_path):
+    """--eval-every-epochs only skips dev passes: the evaluated epochs' metrics and the final ones are exactly
+    those of a run that evaluates after every epoch."""
+    histories = {}
+    for every in ("1", "2", "0"):
+        out = tmp_path / f"every{every}"
+        assert finetune_main(_args(hf_model, task, out, "--epochs", "3", "--eval-every-epochs", every)) == 0
+        histories[every] = json.loads((out / "results.json").read_text())["seeds"][0]["history"]
+    assert [h["epoch"] for h in histories["1"]] == [1, 2, 3]
+    assert histories["2"] == [histories["1"][1], histories["1"][2]]
+    assert histories["0"] == [histories["1"][2]]
+
+
 def test_random_init_run_records_the_same_settings(hf_model, task, tmp_path):
     for name, extra in (("pretrained", []), ("random", ["--random-init"])):
         assert finetune_main(_args(hf_model, task, tmp_path / name, "--max-train-examples", "24", *extra)) == 0

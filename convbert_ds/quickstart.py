@@ -42,8 +42,8 @@ SMOKE = {"corpus_bytes": 2_000_000, "steps": 100}
 FINETUNE = ("--max-seq-length", "32", "--epochs", "4", "--learning-rate", "1e-3", "--layerwise-lr-decay", "1.0")
 # A context (3 summaries) fits 128 tokens; the rest of the recipe is the paper's (layer-wise decay 0.8).
 FINETUNE_QUESTIONS = ("--max-seq-length", "128", "--doc-stride", "32", "--batch-size", "16", "--learning-rate", "2e-3")
-# 60 labelled passages a class, up to 120 words: more epochs over fewer, longer examples, at 2e-3. 12 epochs
-# (margin +6.0, its interval +1.1 to +11.0) to fit the 20 minutes; 15 gave +3.6 to +4.9 (benchmarks/RESULTS.md).
+# 60 labelled passages a class, up to 120 words: more epochs over fewer, longer examples, at 2e-3. 12 epochs fit
+# the 20 minutes (margins +6.0 and +3.6 on two pretraining runs; 15 epochs +3.6 to +4.9; benchmarks/RESULTS.md).
 FINETUNE_CLOUD_DOCS = ("--max-seq-length", "128", "--epochs", "12", "--batch-size", "16", "--learning-rate", "2e-3",
                        "--layerwise-lr-decay", "1.0")
 

@@ -2,7 +2,8 @@
 
     OUT/run.json            the resolved settings (task source, model, init, recipe); a rerun with other
                             settings is refused, a rerun with the same ones resumes
-    OUT/seeds/seedN.json    one finished seed: {"seed", "history": [...per evaluated epoch...], "final": {split: metrics}}
+    OUT/seeds/seedN.json    one finished seed: {"seed", "history": [...per evaluated epoch...],
+                            "final": {split: metrics}}
     OUT/seeds/seedN.jsonl   its per-step training log ({"step", "loss", "lr"})
     OUT/state/seedN/        the unfinished seed's resumable state (deleted when the seed finishes)
     OUT/converted/TAG/      a training checkpoint converted for fine-tuning (when --model is one)

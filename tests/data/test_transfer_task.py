@@ -115,5 +115,6 @@ class A:
         tree = ast.parse(source)
         want = [node for node in ast.walk(tree) if isinstance(node, (ast.Module, *_DEFINITIONS))]
         assert [node for node in _statements(tree) if isinstance(node, (ast.Module, *_DEFINITIONS))] == want
-    found = [ast.get_docstring(n) for n in _statements(ast.parse(nested)) if isinstance(n, (ast.Module, *_DEFINITIONS))]
+    found = [ast.get_docstring(node) for node in _statements(ast.parse(nested))
+             if isinstance(node, (ast.Module, *_DEFINITIONS))]
     assert sorted(found) == ["a", "f", "g", "h", "i", "j", "k", "module"]

@@ -37,7 +37,7 @@ from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.config import PRESET_NAMES
 from convbert_ds.engine.distributed import free_port
 from convbert_ds.finetune.margin import Margin, seed_scores
-from convbert_ds.quickstart import FINETUNE_CLOUD_DOCS, prepare_data
+from convbert_ds.quickstart import CLOUD_DOCS_SEEDS, FINETUNE_CLOUD_DOCS, prepare_data
 
 REPO = Path(__file__).resolve().parent.parent
 PROTOCOLS = {
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task-dir", type=Path, help="your own task (train.jsonl, validation.jsonl: text, label)")
     parser.add_argument("--ood-task-dir", type=Path,
                         help="your own out-of-domain task (None: the built-in AWS reference passages, cloud_docs_task)")
-    parser.add_argument("--ood-seeds", type=bounded(int, min=1), default=8, help="fine-tuning seeds on it, per init")
+    parser.add_argument("--ood-seeds", type=bounded(int, min=1), default=CLOUD_DOCS_SEEDS,
+                        help="fine-tuning seeds on it, per init")
     parser.add_argument("--vocab-size", type=bounded(int, min=1), default=8000)
     parser.add_argument("--objective", choices=("electra", "mlm"), default="electra")
     parser.add_argument("--preset", choices=PRESET_NAMES, default="tiny")

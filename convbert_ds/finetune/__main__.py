@@ -47,6 +47,8 @@ def _recipe_options(parser: argparse.ArgumentParser) -> None:
         "save_steps": "write the resumable state every N steps (and after every epoch)",
         "eval_every_epochs": "evaluate after every N-th epoch and after the last (0: after the last only; "
                              "training is the same either way, so the final metrics are too)",
+        "group_by_length": "sort every N consecutive batches' examples by length before cutting them, then "
+                           "shuffle the batches: less padding, so faster on texts of mixed length (0: off)",
     }
     for field in dataclasses.fields(Recipe):
         choices = PRECISIONS if field.name == "precision" else None

@@ -118,7 +118,13 @@ def train_seed(model: torch.nn.Module, objective, train, evals: dict, recipe: Re
     per-epoch history (the last entry is the final result)."""
     model.to(place.device)
     optimizer = build_optimizer(model, recipe)
-    steps_per_epoch = len(epoch_batches(len(train), recipe.batch_size, seed, 0, place.world_size))
+    lengths = [len(ids) for ids in train.input_ids]
+
+    def batches_of(epoch: int) -> list[list[int]]:
+        return epoch_batches(len(train), recipe.batch_size, seed, epoch, place.world_size, lengths,
+                             recipe.group_by_length)
+
+    steps_per_epoch = len(batches_of(0))
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train)} training examples cannot fill a batch across {place.world_size} ranks")
     total = max(1, math.ceil(recipe.epochs * steps_per_epoch))
@@ -154,7 +160,7 @@ def train_seed(model: torch.nn.Module, objective, train, evals: dict, recipe: Re
         while step < total:
             epoch, position = divmod(step, steps_per_epoch)
             if epoch_order[0] != epoch:
-                epoch_order = (epoch, epoch_batches(len(train), recipe.batch_size, seed, epoch, place.world_size))
+                epoch_order = (epoch, batches_of(epoch))
             global_batch = epoch_order[1][position]
             mine = global_batch[place.rank::place.world_size]
             batch = {k: v.to(place.device) for k, v in objective.collate(train, mine, model.config.pad_token_id).items()}

@@ -35,6 +35,7 @@ RANGES = {
     "seeds": bounded(int, min=1), "first_seed": bounded(int, min=0), "examples_per_class": bounded(int, min=1),
     "max_train_examples": bounded(int, min=1), "save_steps": bounded(int, min=1),
     "eval_every_epochs": bounded(int, min=0),  # 0: only after the last epoch
+    "group_by_length": bounded(int, min=0),  # 0: batches drawn without regard to length
 }
 
 
@@ -60,6 +61,7 @@ class Recipe:
     max_train_examples: int | None = None
     save_steps: int = 200
     eval_every_epochs: int = 1
+    group_by_length: int = 0
 
     def validate(self) -> None:
         """Each field against its range in ``RANGES`` (the command line's parser uses the same ones)."""

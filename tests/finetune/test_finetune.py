@@ -156,6 +156,19 @@ def test_fewer_evaluations_leave_training_and_the_final_metrics_unchanged(hf_mod
     assert histories["0"] == [histories["1"][2]]
 
 
+def test_length_grouped_batches_reach_the_training_loop(hf_model, task, tmp_path):
+    """--group-by-length is recorded and changes the batches (tests/finetune/test_batches.py: which ones), not
+    how many steps an epoch has."""
+    losses = {}
+    for group in ("0", "2"):
+        out = tmp_path / f"group{group}"
+        assert finetune_main(_args(hf_model, task, out, "--group-by-length", group)) == 0
+        assert json.loads((out / "results.json").read_text())["recipe"]["group_by_length"] == int(group)
+        losses[group] = [json.loads(line)["loss"] for line in (out / "seeds" / "seed0.jsonl").read_text().splitlines()]
+    assert len(losses["0"]) == len(losses["2"]) == 12  # 96 examples / batch 8
+    assert losses["0"] != losses["2"]
+
+
 def test_random_init_run_records_the_same_settings(hf_model, task, tmp_path):
     for name, extra in (("pretrained", []), ("random", ["--random-init"])):
         assert finetune_main(_args(hf_model, task, tmp_path / name, "--max-train-examples", "24", *extra)) == 0

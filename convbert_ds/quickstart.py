@@ -1,4 +1,4 @@
-"""Quickstart: pretrain a tiny ConvBERT ELECTRA on built-in real text, then show that it transfers.
+"""Quickstart: pretrain a tiny ConvBERT ELECTRA on built-in real text, then measure how far it transfers.
 
 1. data (nothing downloaded): about 10 MB of English prose from the docstrings and docs of the installed
    packages (``convbert_ds.data.transfer_task``), and three tasks whose text is held out of it: a 7-way

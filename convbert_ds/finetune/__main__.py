@@ -12,7 +12,10 @@ import shlex
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.engine.distributed import exit_process
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.recipe import PRECISIONS, RANGES, Recipe
 from convbert_ds.finetune.run import RunSpec, run
@@ -137,4 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if dist.is_initialized():  # a torchrun rank: gloo's threads can abort a finished run at interpreter exit
+        exit_process(code)
+    sys.exit(code)

@@ -49,3 +49,9 @@ def test_a_partial_batch_smaller_than_the_ranks_is_dropped_wherever_it_lands():
     for group in (0, 4):
         batches = epoch_batches(203, 16, 0, 0, world_size=12, lengths=LENGTHS, group_by_length=group)
         assert len(batches) == 12 and all(len(b) == 16 for b in batches)  # the 11-example batch is gone
+
+
+def test_grouping_without_a_length_per_example_is_refused():
+    for lengths in (None, LENGTHS[:-1]):
+        with pytest.raises(ValueError, match="one length per example"):
+            epoch_batches(203, 16, 0, 0, 1, lengths, group_by_length=4)

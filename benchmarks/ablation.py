@@ -53,7 +53,8 @@ from benchmarks.pretraining_transfer import PROTOCOLS, finetune, pretrain, proto
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.config import PRESET_NAMES, ElectraConfig  # noqa: E402
 from convbert_ds.engine.flops import training_flops_per_sample  # noqa: E402
-from convbert_ds.formats.checkpoint.directory import complete_tags, read_trainer_state  # noqa: E402
+from convbert_ds.formats.checkpoint import run_state  # noqa: E402
+from convbert_ds.formats.checkpoint.directory import complete_tags  # noqa: E402
 from convbert_ds.quickstart import prepare_data  # noqa: E402
 
 STEPS = 600  # the default budget, measured: see the module docstring
@@ -140,7 +141,7 @@ def finetune_or_error(args, checkpoint: Path, task: Path, out: Path, random_init
 def run_variant(args, slug: str, shards: Path, task: Path, work: Path) -> dict:
     run = work / slug
     final, seconds = pretrain_variant(args, slug, shards, run)
-    electra = ElectraConfig(**read_trainer_state(final)["electra_config"])  # exactly what the trainer built
+    electra = ElectraConfig(**run_state.read(final).electra_config)  # exactly what the trainer built
     tuned = {kind: finetune_or_error(args, final, task, run / "finetune" / f"{final.name}-{args.protocol}-{kind}",
                                      random_init=kind == "random_init")
              for kind in ("pretrained", "random_init")}

@@ -65,7 +65,7 @@ def three_documents_per_sample(batch: int, seq: int, device: torch.device) -> to
 def build_shards(work: Path, vocab_size: int) -> Path:
     """``work/shards``: the built-in corpus (the standard library's docstrings) under a tokenizer of
     ``vocab_size`` pieces, through the real preprocessing."""
-    from convbert_ds.data.builtin_corpus import write_corpus
+    from convbert_ds.builtin.stdlib_docstrings import write_corpus
     from preprocessing.shard import shard_corpus
     from preprocessing.tokenizer import train_tokenizer
 

@@ -64,6 +64,7 @@ def write_checkpoint_rank(checkpoint_dir: Path, tokenizer_dir: Path) -> NoReturn
     from convbert_ds.engine import checkpoint
     from convbert_ds.config import ElectraConfig
     from convbert_ds.model import ElectraForPretraining
+    from convbert_ds.formats.checkpoint.run_state import RunState
     from convbert_ds.model.optim import param_groups
     from preprocessing.tokenizer import load_tokenizer
 
@@ -76,9 +77,9 @@ def write_checkpoint_rank(checkpoint_dir: Path, tokenizer_dir: Path) -> NoReturn
                  "zero_optimization": {"stage": 2}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01), config=ds_config)
     tok = load_tokenizer(tokenizer_dir)
-    state = {"step": 0, "tokens_seen": 0, "samples_seen": 0, "electra_config": electra.to_dict(),
-             "precision": "fp32", "zero_stage": 2, "pipeline_stages": 1, "world_size": dist.get_world_size(),
-             "tokenizer": {"dir": str(tokenizer_dir), **tok.describe()}, "data_sets": [], "config": {}}
+    state = RunState(step=0, data={"consumed_samples": 0}, electra_config=electra.to_dict(), precision="fp32",
+                     zero_stage=2, pipeline_stages=1, world_size=dist.get_world_size(),
+                     tokenizer={"dir": str(tokenizer_dir), **tok.describe()})
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.save(engine, checkpoint_dir, 0, state, keep_last=1)
     exit_process(0)  # as the trainer leaves: a finalized gloo group aborts now and then

@@ -137,7 +137,7 @@ def run_measured(args: list[str]) -> dict:
 
 
 def prepare(workdir: Path, mb: int) -> tuple[str, str, str]:
-    from convbert_ds.data.builtin_corpus import write_corpus
+    from convbert_ds.builtin.stdlib_docstrings import write_corpus
     from preprocessing.tokenizer import train_tokenizer
 
     base = write_corpus(workdir / "base.txt")

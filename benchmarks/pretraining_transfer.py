@@ -5,13 +5,13 @@
     python benchmarks/pretraining_transfer.py --shards SHARD_DIR --task-dir TASK_DIR ...   # your own data
 
 Data (built once in WORK/data, nothing downloaded): the pretraining corpus and the downstream task of
-``convbert_ds.data.transfer_task`` (docstring prose of the installed packages; a 7-way task on the first
+``convbert_ds.builtin.docstring_summaries`` (docstring prose of the installed packages; a 7-way task on the first
 paragraphs of docstrings of 7 pinned libraries, whose text is held out of the corpus), a sentencepiece
 tokenizer and shards. Pretraining: ``deepspeed --num_gpus RANKS --module convbert_ds.train`` (CPU ranks
 without a GPU), saving ``--curve`` evenly spaced checkpoints. Fine-tuning: ``python -m convbert_ds.finetune``
 on every checkpoint (protocol "short") and on the last one (every protocol), and with ``--random-init``
 once per protocol, the same seeds and settings; then the last checkpoint and random init on the out-of-domain
-task (``convbert_ds.data.cloud_docs_task``: passages of the AWS API reference botocore ships, 6 services) with
+task (``convbert_ds.builtin.aws_api_passages``: passages of the AWS API reference botocore ships, 6 services) with
 the quickstart's recipe, ``--ood-seeds`` each. Prints every gain with its bootstrap 95% interval over the seeds
 (``convbert_ds.finetune.margin``), writes WORK/LABEL/transfer.json.
 
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", type=Path, help="your own shard dir instead of the built-in corpus")
     parser.add_argument("--task-dir", type=Path, help="your own task (train.jsonl, validation.jsonl: text, label)")
     parser.add_argument("--ood-task-dir", type=Path,
-                        help="your own out-of-domain task (None: the built-in AWS reference passages, cloud_docs_task)")
+                        help="your own out-of-domain task (None: the built-in AWS reference passages, "
+                             "builtin.aws_api_passages)")
     parser.add_argument("--ood-seeds", type=bounded(int, min=1), default=CLOUD_DOCS_SEEDS,
                         help="fine-tuning seeds on it, per init")
     parser.add_argument("--vocab-size", type=bounded(int, min=1), default=8000)

@@ -69,6 +69,7 @@ def write_rank(checkpoint_dir: Path, preset_name: str) -> NoReturn:
     from convbert_ds.engine.distributed import exit_process, init_process_group
     from convbert_ds.engine.plan import build_ds_config
     from convbert_ds.formats.train_config import TrainConfig
+    from convbert_ds.formats.checkpoint.run_state import RunState
     from convbert_ds.model import ElectraForPretraining
     from convbert_ds.model.optim import param_groups
 
@@ -91,9 +92,9 @@ def write_rank(checkpoint_dir: Path, preset_name: str) -> NoReturn:
     out = engine(ids, torch.ones_like(ids), torch.zeros_like(ids))
     engine.backward(out.loss)
     engine.step()
-    state = {"step": 1, "tokens_seen": world * SEQ, "samples_seen": world, "electra_config": electra.to_dict(),
-             "precision": "fp32", "zero_stage": 2, "pipeline_stages": 1, "world_size": world, "data_sets": [],
-             "config": {}}
+    state = RunState(step=1, data={"consumed_samples": world}, tokens_seen=world * SEQ, samples_seen=world,
+                     electra_config=electra.to_dict(), precision="fp32", zero_stage=2, pipeline_stages=1,
+                     world_size=world)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     checkpoint.save(engine, checkpoint_dir, 1, state, keep_last=1)
     exit_process(0)  # as the trainer leaves: a finalized gloo group aborts now and then
@@ -124,10 +125,11 @@ def run_one(mode: str, tag_dir: Path, out: Path) -> dict:
 
     if mode == OURS:
         from convbert_ds.config import ElectraConfig
+        from convbert_ds.formats.checkpoint import run_state
         from convbert_ds.formats.checkpoint.universal import Layout, convert
 
-        state = json.loads((tag_dir / "trainer_state.json").read_text())
-        layout, electra = Layout.of_checkpoint(state), ElectraConfig(**state["electra_config"])
+        state = run_state.read(tag_dir)
+        layout, electra = Layout.of_checkpoint(state), ElectraConfig(**state.electra_config)
         work = lambda: convert(tag_dir, layout, electra)  # noqa: E731
     elif mode == BASELINE:
         from deepspeed.checkpoint import ds_to_universal
@@ -202,10 +204,11 @@ def compare(tag_dir: Path, ds_out: Path) -> str:
     from safetensors.torch import load_file
 
     from convbert_ds.config import ElectraConfig
+    from convbert_ds.formats.checkpoint import run_state
     from convbert_ds.formats.checkpoint.names import canonical_names
     from convbert_ds.formats.checkpoint.universal import QUANTITIES
 
-    electra = ElectraConfig(**json.loads((tag_dir / "trainer_state.json").read_text())["electra_config"])
+    electra = ElectraConfig(**run_state.read(tag_dir).electra_config)
     canonical = canonical_names(electra)
     worst, covered = {}, {}
     for quantity in QUANTITIES:

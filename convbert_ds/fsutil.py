@@ -11,7 +11,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import logging
 import os
 import re
 import shutil
@@ -21,8 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from convbert_ds.errors import UserError
+from convbert_ds.log import EVERY_RANK, get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 FORCE_FLAG = "--force"  # the one name, across CLIs, for "replace my non-empty output"
 
@@ -151,7 +151,8 @@ def exclusive_lock(lock_path: Path) -> Iterator[bool]:
         except OSError as e:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise
-            logger.warning("no file locks on %s (%s): every process does the work itself", lock_path.parent, e)
+            logger.warning("no file locks on %s (%s): every process does the work itself", lock_path.parent, e,
+                           extra=EVERY_RANK)
             yield False
             return
         yield True

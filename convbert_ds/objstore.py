@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import time
 import uuid
@@ -27,8 +26,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from convbert_ds.errors import UserError
+from convbert_ds.log import EVERY_RANK, get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SCHEME = "s3://"
 PATIENCE_VAR = "CONVBERT_DS_STORE_PATIENCE"
@@ -163,7 +163,8 @@ def call(url, request: Callable[[], T], what: str = "") -> T:
                                  f"({type(error).__name__}); check that it is up and AWS_ENDPOINT_URL") from None
             if not warned:
                 logger.warning("%s%s: the store did not answer (%s); retrying for up to %.0f s", url,
-                               f" ({what})" if what else "", type(error).__name__, deadline - now)
+                               f" ({what})" if what else "", type(error).__name__, deadline - now,
+                               extra=EVERY_RANK)  # each rank's own requests wait
                 warned = True
             time.sleep(min(wait, max(deadline - now, 0.0)))
             wait = min(wait * 2, 10.0)

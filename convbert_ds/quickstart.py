@@ -1,10 +1,10 @@
 """Quickstart: pretrain a tiny ConvBERT ELECTRA on built-in real text, then measure how far it transfers.
 
 1. data (nothing downloaded): about 10 MB of English prose from the docstrings and docs of the installed
-   packages (``convbert_ds.data.transfer_task``), and three tasks whose text is held out of it: a 7-way
-   classification of other packages' docstring summaries (in-domain), cloze questions over the same
-   summaries in SQuAD's format (``convbert_ds.data.qa_task``), and a 6-way classification of passages of
-   the AWS API reference botocore ships (``convbert_ds.data.cloud_docs_task``, out of domain);
+   packages (``convbert_ds.builtin.docstring_summaries``), and three tasks whose text is held out of it: a
+   7-way classification of other packages' docstring summaries (in-domain), cloze questions over the same
+   summaries in SQuAD's format (``convbert_ds.builtin.docstring_questions``), and a 6-way classification of
+   passages of the AWS API reference botocore ships (``convbert_ds.builtin.aws_api_passages``, out of domain);
 2. ``preprocessing.tokenizer`` (sentencepiece, 8,000 pieces) and ``preprocessing.shard``
    (megatron-core token shards + manifest);
 3. ``deepspeed --num_gpus 2 --module convbert_ds.train --config configs/quickstart.yaml``: ZeRO-2 on
@@ -13,9 +13,9 @@
 5. ``convbert_ds.finetune`` on each task, the converted discriminator against the same architecture from
    random weights, over seeds; the margin of each, with a bootstrap 95% interval over the seeds.
 
-About 20 minutes on 2 CPU cores, set-up included; ``--smoke`` runs every step on a small budget in a few
-minutes (its model is too small to beat random init: it checks the machinery, not the claim). Rerunning
-resumes training from the last checkpoint; fine-tuning is redone.
+It runs on 2 CPU cores, set-up included (its time: benchmarks/RESULTS.md#row-quickstart-time); ``--smoke``
+runs every step on a small budget in a few minutes (its model is too small to beat random init: it checks the
+machinery, not the claim). Rerunning resumes training from the last checkpoint; fine-tuning is redone.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from convbert_ds.data.cloud_docs_task import write_cloud_docs_task
-from convbert_ds.data.qa_task import write_qa_task
-from convbert_ds.data.transfer_task import write_pretraining_corpus, write_transfer_task
+from convbert_ds.builtin.aws_api_passages import write_cloud_docs_task
+from convbert_ds.builtin.docstring_questions import write_qa_task
+from convbert_ds.builtin.docstring_summaries import write_pretraining_corpus, write_transfer_task
 from convbert_ds.finetune.margin import Margin, seed_scores
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.fsutil import write_text_atomically
@@ -43,9 +43,9 @@ FINETUNE = ("--max-seq-length", "32", "--epochs", "4", "--learning-rate", "1e-3"
 # A context (3 summaries) fits 128 tokens; the rest of the recipe is the paper's (layer-wise decay 0.8).
 FINETUNE_QUESTIONS = ("--max-seq-length", "128", "--doc-stride", "32", "--batch-size", "16", "--learning-rate", "2e-3")
 # 60 labelled passages a class, 30 to 120 words: more epochs over fewer, longer examples. At 1e-3 both inits do
-# their best (medians over 20 seeds: pretrained 78.6 against 78.5 at 2e-3, random init 79.2 against 73.6); 2e-3
-# made random init's seeds fail, which is not transfer. Batches grouped by length cut the padded positions from
-# 41% to 12%, so 10 seeds a side take less time than 8 did ungrouped (benchmarks/RESULTS.md, "Out of domain").
+# their best; 2e-3 made random init's seeds fail, which is not transfer (benchmarks/RESULTS.md#row-ood-fair
+# against #row-ood-grouped). Batches grouped by length cut most of the padded positions, so 10 seeds a side take
+# less time than 8 did ungrouped (benchmarks/RESULTS.md#row-ood-grouped against #row-ood-recipe).
 FINETUNE_CLOUD_DOCS = ("--max-seq-length", "128", "--epochs", "12", "--batch-size", "16", "--learning-rate", "1e-3",
                        "--layerwise-lr-decay", "1.0", "--group-by-length", "4")
 CLOUD_DOCS_SEEDS = 10
@@ -64,9 +64,9 @@ class BuiltinData(NamedTuple):
     """What ``prepare_data`` builds in WORK: the corpus's shards and the three held-out tasks."""
 
     shards: Path
-    task: Path  # in-domain: train.jsonl, validation.jsonl (transfer_task)
-    questions: Path  # the same held-out text as questions: train.json, validation.json (qa_task)
-    cloud_docs: Path  # out of domain: train.jsonl, validation.jsonl (cloud_docs_task)
+    task: Path  # in-domain: train.jsonl, validation.jsonl (builtin.docstring_summaries)
+    questions: Path  # the same held-out text as questions: train.json, validation.json (builtin.docstring_questions)
+    cloud_docs: Path  # out of domain: train.jsonl, validation.jsonl (builtin.aws_api_passages)
 
 
 def prepare_data(work: Path, vocab_size: int, corpus_bytes: int | None = None) -> BuiltinData:
@@ -127,10 +127,11 @@ class Downstream:
 
 
 def downstream_tasks(data: BuiltinData, smoke: bool, seeds: int | None) -> list[Downstream]:
-    """The held-out tasks of ``data``: the 7-class docstring task (``transfer_task``, in-domain), the cloze
-    questions over the same held-out text (``qa_task``) and the AWS reference passages (``cloud_docs_task``, out
-    of domain). The question recipe (4 epochs, batch 16, lr 2e-3) is the best of those tried within 2.5 minutes
-    (benchmarks/RESULTS.md); 8 epochs at batch 32 took twice as long for a similar margin."""
+    """The held-out tasks of ``data``: the 7-class docstring task (``docstring_summaries``, in-domain), the
+    cloze questions over the same held-out text (``docstring_questions``) and the AWS reference passages
+    (``aws_api_passages``, out of domain). The question recipe (4 epochs, batch 16, lr 2e-3) is the best of
+    those tried in the time it is given (benchmarks/RESULTS.md#row-qa-recipe); longer ones took more time for a
+    similar margin."""
     task, questions, cloud = data.task, data.questions, data.cloud_docs
     classification = ("--text-column", "text", "--label-column", "label")
     return [
@@ -152,7 +153,8 @@ def downstream_tasks(data: BuiltinData, smoke: bool, seeds: int | None) -> list[
 
 
 def _finetune_command(model: Path, task: Downstream, out: Path, random_init: bool) -> list[str]:
-    # A margin reads the last epoch only: evaluating after the earlier ones too cost a sixth of the time.
+    # A margin reads the last epoch only: evaluating after the earlier ones too cost time for the same scores
+    # (benchmarks/RESULTS.md#out-of-domain-the-aws-reference-task).
     return [sys.executable, "-m", "convbert_ds.finetune", "--model", str(model), "--out", str(out), "--force",
             *task.args, "--seeds", str(task.seeds), "--eval-every-epochs", "0",
             *(["--random-init"] if random_init else [])]
@@ -160,9 +162,9 @@ def _finetune_command(model: Path, task: Downstream, out: Path, random_init: boo
 
 def finetune_both(model: Path, task: Downstream, out: Path) -> Margin:
     """Both inits fine-tuned on ``task``, ``python -m convbert_ds.finetune`` each in its own process, as a user
-    runs it. The two run side by side on half the cores each: a second thread gains the tiny model only 1.5x
-    (a one-seed run in 22 s on 2 threads, 34 s on 1), so on 2 cores both inits are done in 2.6 minutes with the
-    conversion, against 4.2 one after the other (benchmarks/RESULTS.md). The pretrained run prints to the
+    runs it. The two run side by side on half the cores each: a second thread gains the tiny model little, so
+    both inits are done sooner side by side than one after the other (benchmarks/RESULTS.md#row-finetune-threads).
+    The pretrained run prints to the
     terminal, the random init's to OUT/random_init.log."""
     # the cores this process may use (Linux: its affinity, as under Slurm); elsewhere the machine's
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)

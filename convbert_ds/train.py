@@ -13,7 +13,8 @@ process exits with code 3 (``EXIT_PREEMPTED``) so a job script can requeue.
     python -m convbert_ds.train --config CONFIG.yaml [key=value ...] --print-config
 
 check the config as the trainer will for N processes (exit 0, or 2 with one line), or print it resolved,
-without starting anything. The loop itself is ``convbert_ds.engine.trainer``.
+without starting anything or writing anywhere (a run first fetches, verifies and opens what it reads:
+``convbert_ds.engine.prepare``). The loop itself is ``convbert_ds.engine.trainer``.
 """
 
 from __future__ import annotations
@@ -21,19 +22,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 import warnings
 
-import torch
 import torch.distributed as dist
 
 from convbert_ds.engine import distributed
 from convbert_ds.engine.plan import RunPlan, build_ds_config, host_sync_warnings, resolve
+from convbert_ds.engine.prepare import check_shards, prepare
 from convbert_ds.formats.train_config import describe_keys, load_config, option_text
 from convbert_ds.engine.trainer import EXIT_PREEMPTED, Preemption, Trainer, TrainingError
 from convbert_ds.cli import ArgumentParser, bounded
 from convbert_ds.errors import EXIT_USER_ERROR, UserError
+from convbert_ds.log import get_logger
+
+log = get_logger(__name__)
 
 __all__ = ["EXIT_PREEMPTED", "Preemption", "RunPlan", "Trainer", "TrainingError", "build_ds_config", "main"]
 
@@ -64,20 +66,22 @@ def main(argv: list[str] | None = None) -> int:
         world_size = args.world_size or distributed.world_size()
         where = f" ({world_size} processes)" if args.check_config else ""
         plan = resolve(load_config(args.config, args.overrides), world_size)
+        if args.check_config:
+            check_shards(plan)  # a bit flip found before the job queues; nothing written
+        elif not args.print_config:
+            plan = prepare(plan)  # a run's downloads, checksums and opened splits; a check writes nothing
     except UserError as error:
-        # Before any process group: every rank prints the same one line, rank 0 is enough.
-        if distributed.rank() == 0:
-            print(f"config error{where}: {error}", file=sys.stderr)
+        # Before any process group: every rank has the same one line, rank 0's is enough.
+        log.error(f"config error{where}: {error}")
         restore()
         return EXIT_USER_ERROR
     cfg = plan.cfg
-    if not plan.has_valid and cfg.eval.interval and cfg.eval.samples and distributed.rank() == 0:
+    if not plan.has_valid and cfg.eval.interval and cfg.eval.samples:
         # Degrades the run without stopping it: say so at start, not by an absence of eval lines hours later.
-        print("warning: not every data.sets directory has a validation split, so evaluation is off; shard with "
-              "--valid-fraction 0.01 to get one, or set eval.interval=0 to silence this", file=sys.stderr)
-    if distributed.rank() == 0:
-        for line in host_sync_warnings(plan.ds_config):
-            print(f"warning: {line}", file=sys.stderr)
+        log.warning("warning: not every data.sets directory has a validation split, so evaluation is off; shard "
+                    "with --valid-fraction 0.01 to get one, or set eval.interval=0 to silence this")
+    for line in host_sync_warnings(plan.ds_config):
+        log.warning(f"warning: {line}")
     if args.print_config:
         print(json.dumps(dataclasses.asdict(plan), indent=2, default=str))
     compiled = cfg.train.compile_mode if cfg.train.compile else "off"
@@ -99,33 +103,28 @@ def main(argv: list[str] | None = None) -> int:
         restore()
         return 0
     trainer = Trainer(plan)
-    if torch.cuda.is_available():
-        # A task bound to one GPU (--gpus-per-task) sees only that one.
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-    backend = distributed.init_process_group()
-    if dist.get_rank() == 0:
-        print(f"launcher={launcher} world_size={dist.get_world_size()} backend={backend} "
-              f"precision={plan.precision} zero_stage={plan.zero_stage} "
-              f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled} {graphs}",
-              flush=True)
-        if cfg.train.compile:  # otherwise minutes of silence before the first log line look like a hang
-            # The whole step compiles for training only (evaluation runs eager); layers compile in both modes.
-            what = ("the first step compiles" if cfg.train.compile_mode == "step"
-                    else "the first step and the first evaluation compile")
-            print(f"note: train.compile=true: {what} the model first "
-                  f"(compile_mode={compiled}: about 2 minutes for ConvBERT-base on a GPU); train.compile=false "
-                  "starts at once, slower per step", flush=True)
+    distributed.place()  # LOCAL_RANK's GPU, then the process group
+    backend = dist.get_backend()
+    log.info(f"launcher={launcher} world_size={dist.get_world_size()} backend={backend} "
+             f"precision={plan.precision} zero_stage={plan.zero_stage} "
+             f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled} {graphs}")
+    if cfg.train.compile:  # otherwise minutes of silence before the first log line look like a hang
+        # The whole step compiles for training only (evaluation runs eager); layers compile in both modes.
+        what = ("the first step compiles" if cfg.train.compile_mode == "step"
+                else "the first step and the first evaluation compile")
+        log.info(f"note: train.compile=true: {what} the model first "
+                 f"(compile_mode={compiled}: about 2 minutes for ConvBERT-base on a GPU); train.compile=false "
+                 "starts at once, slower per step")
     try:
         trainer.setup()
         code = trainer.train(preemption)
     except UserError as error:
         # Found after the start (a damaged or unsafe checkpoint file, a checkpoint that cannot change layout):
         # every rank reads the same files and stops alike; rank 0's line is the one to read.
-        if dist.get_rank() == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        log.error(f"error: {error}")
         return EXIT_USER_ERROR
-    if dist.get_rank() == 0 and code == 0:
-        print(f"done: {trainer.step} steps; checkpoints in {trainer.ckpt_dir}; logs in {cfg.log_dir}", flush=True)
+    if code == 0:
+        log.info(f"done: {trainer.step} steps; checkpoints in {trainer.ckpt_dir}; logs in {cfg.log_dir}")
     dist.barrier()
     dist.destroy_process_group()
     return code

@@ -33,9 +33,9 @@ import json
 import os
 import re
 import shutil
-import signal
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -59,9 +59,10 @@ DEFAULT_SHARD_TOKENS = 100_000_000
 DEFAULT_VALID_FRACTION = 0.01
 SKIPPED = ("empty_documents", "empty_sequences", "blank_files")
 REPAIRED = ("invalid_utf8_bytes", "long_lines_split", "long_documents_split")
-# Test-only: the process SIGKILLs itself once a checkpoint records this many input chunks as done, so the
-# crash/resume test crashes at a chosen point instead of racing a poll loop. Never set it otherwise.
-_TEST_STOP_AFTER_UNITS = "CONVBERT_DS_TEST_STOP_AFTER_UNITS"
+# Called with the count of input chunks done after every progress checkpoint; None in a normal run. The
+# crash/resume test sets it (tests/preprocessing/shard_killed_at.py) to die at a chosen point instead of
+# racing a poll loop.
+after_checkpoint: Callable[[int], None] | None = None
 _SHARD_FILE_NAME = re.compile(r"shard-\d+\.(bin|idx|lens|docs)(\.tmp)?$")
 _JSON_TMP_NAME = re.compile(r"\.?(manifest|progress)\.json\.tmp(-\d+)?")  # fsutil's (and older) temp names
 
@@ -292,7 +293,6 @@ class _Run:
         self.done_in_chunk = {s: 0 for s in SPLITS}
         self.processed = {"documents": 0, "tokens": 0}
         self._uncommitted: list[str] = []
-        self._stop_after = int(os.environ.get(_TEST_STOP_AFTER_UNITS) or 0)
 
     def checkpoint(self) -> None:
         # The fingerprint as one digest per part: a corpus of many files has a long sources list, and
@@ -306,8 +306,8 @@ class _Run:
         for prefix in self._uncommitted:
             commit_shard(self.root / prefix)
         self._uncommitted.clear()
-        if self._stop_after and self.chunk >= self._stop_after:  # test-only, see _TEST_STOP_AFTER_UNITS
-            os.kill(os.getpid(), signal.SIGKILL)
+        if after_checkpoint is not None:
+            after_checkpoint(self.chunk)
 
     def _close_shard(self, split: _SplitWriter, checkpoint: bool = True) -> None:
         record = split.finish_open()

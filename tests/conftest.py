@@ -43,7 +43,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory):
     """Real text (the standard library's docstrings), a trained tokenizer, and its shards."""
-    from convbert_ds.data.builtin_corpus import write_corpus
+    from convbert_ds.builtin.stdlib_docstrings import write_corpus
     from preprocessing.shard import shard_corpus
     from preprocessing.tokenizer import train_tokenizer
 

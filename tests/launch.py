@@ -33,16 +33,25 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subpro
                           text=True, timeout=timeout)
 
 
-def train_command(launcher: str, nproc: int = 2) -> list[str]:
+FAULTY_TRAIN = Path(__file__).with_name("faulty_train.py")
+
+
+def train_command(launcher: str, nproc: int = 2, faults: dict | None = None) -> list[str]:
+    """The trainer under ``launcher``; with ``faults`` (``{"kill_during_save": 8}``: ``tests/faulty_train.py``'s
+    options, ``True`` for a flag), ``faulty_train.py`` with them, which starts the same trainer."""
     bin_dir = Path(sys.executable).parent
+    entry = ["-m", "convbert_ds.train"]  # python's arguments
+    if faults:
+        entry = [str(FAULTY_TRAIN)]
+        for name, value in faults.items():
+            entry += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
     if launcher == "deepspeed":
         return [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", free_port(),
-                "--module", "convbert_ds.train"]
+                *(entry if faults else ["--module", "convbert_ds.train"])]
     if launcher == "torchrun":
-        return [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", free_port(),
-                "-m", "convbert_ds.train"]
+        return [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", free_port(), *entry]
     if launcher == "ranks":
-        return spawn_ranks(nproc, [sys.executable, "-m", "convbert_ds.train"])
+        return spawn_ranks(nproc, [sys.executable, *entry])
     raise ValueError(launcher)
 
 
@@ -139,8 +148,10 @@ NOT_THE_SUBJECT = "ranks"
 
 
 def run_training(run_dir: Path, shards: Path | str, *overrides: str, launcher: str = "deepspeed", nproc: int = 2,
-                 extra_env: dict | None = None, timeout: int = 420, on_line=None) -> subprocess.CompletedProcess:
-    command = train_command(launcher, nproc) + [
+                 extra_env: dict | None = None, timeout: int = 420, on_line=None,
+                 faults: dict | None = None) -> subprocess.CompletedProcess:
+    """A training run in ``run_dir``; ``faults``: injected into its ranks (``train_command``)."""
+    command = train_command(launcher, nproc, faults) + [
         "--config", str(TINY_CONFIG), f"data.sets=[{{path: '{shards}', weight: 1.0}}]",
         f"checkpoint.dir={run_dir / 'checkpoints'}", f"log.dir={run_dir / 'logs'}", "log.interval=1", *overrides]
     return run_group(command, timeout, on_line, cwd=REPO, env={**env(), **(extra_env or {})})

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from convbert_ds.data.builtin_corpus import iter_documents
+from convbert_ds.builtin.stdlib_docstrings import iter_documents
 from convbert_ds.fsutil import file_sha256
 from convbert_ds.formats.shard_manifest import (
     SHARD_FILES, read_manifest, shard_prefix, split_entry, write_manifest)

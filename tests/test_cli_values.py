@@ -35,7 +35,7 @@ BENCHMARKS = sorted(".".join(path.relative_to(REPO).with_suffix("").parts)
 BENCHMARK_ARGS = {"benchmarks.hf_finetune_check": ["--model", "m", "--task-dir", "t"],
                   "benchmarks.analysis.trace_summary": ["t.json"]}
 # The commands beyond the CLIs of test_cli_fuzz: the data builders and the benchmarks.
-MORE = {"convbert_ds.data.builtin_corpus": ["--out", "o"], "convbert_ds.data.transfer_task": [],
+MORE = {"convbert_ds.builtin.stdlib_docstrings": ["--out", "o"], "convbert_ds.builtin.docstring_summaries": [],
         **{module: BENCHMARK_ARGS.get(module, []) for module in BENCHMARKS}}
 COMMANDS = sorted([*CLIS, *MORE])
 

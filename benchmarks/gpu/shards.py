@@ -17,7 +17,7 @@ def built_in_shards(work: Path, vocab_size: int) -> Path:
     shards = work / "shards"
     if (shards / "manifest.json").is_file():
         return shards
-    from convbert_ds.data.builtin_corpus import write_corpus
+    from convbert_ds.builtin.stdlib_docstrings import write_corpus
     from preprocessing.shard import shard_corpus
     from preprocessing.tokenizer import train_tokenizer
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from convbert_ds.config import ConfigError, ElectraConfig, ModelConfig
+from convbert_ds.formats.checkpoint.run_state import RunState
 from convbert_ds.formats.train_config import TrainConfig
 from convbert_ds.fsutil import file_sha256
 
@@ -29,7 +30,7 @@ class CardFacts:
 
     source: str
     command: str
-    trainer_state: dict = field(default_factory=dict)
+    trainer_state: RunState | None = None  # None: weights from memory, not a checkpoint
     notes: list[str] = field(default_factory=list)
 
 
@@ -57,7 +58,7 @@ def model_card(electra: ElectraConfig, facts: CardFacts, dtype: str, report: dic
     return "\n".join(lines) + "\n"
 
 
-def _front_matter(state: dict, pipeline_tag: str) -> str:
+def _front_matter(state: RunState | None, pipeline_tag: str) -> str:
     meta = {"library_name": "transformers", "license": "other",
             "tags": ["convbert", "electra", "convbert_ds", "pretraining"],
             "datasets": _dataset_names(state), "pipeline_tag": pipeline_tag}
@@ -68,11 +69,11 @@ def _front_matter(state: dict, pipeline_tag: str) -> str:
     return f"---\n{text}\n---"
 
 
-def _dataset_names(state: dict) -> list[str]:
+def _dataset_names(state: RunState | None) -> list[str]:
     """The sources each training set was sharded from (their file or dataset names), from its manifest."""
     names = []
-    for entry in state.get("data_sets") or []:
-        manifest = Path(entry["path"]) / "manifest.json"
+    for path, _ in state.sets if state is not None else []:
+        manifest = Path(path) / "manifest.json"
         if manifest.is_file():
             for source in json.loads(manifest.read_text()).get("sources", []):
                 name = Path(str(source.get("path", ""))).name
@@ -100,7 +101,9 @@ def _loading() -> list[str]:
             "`AutoTokenizer.from_pretrained(dir, local_files_only=True)`."]
 
 
-def _training(state: dict) -> list[str]:
+def _training(state: RunState | None) -> list[str]:
+    if state is None:
+        return []
     lines = []
     config = _config(state)
     if config is not None:
@@ -110,32 +113,31 @@ def _training(state: dict) -> list[str]:
                      f"(betas {t.adam_beta1:g}/{t.adam_beta2:g}, eps {t.adam_eps:g}, weight decay "
                      f"{t.weight_decay:g}), {t.warmup_steps:,} warm-up steps then linear decay over "
                      f"{t.steps:,} steps, gradient clipping {t.grad_clip:g}")
-    phase = state.get("phase") or {}
-    if phase.get("index", 1) > 1:
-        lines.append(f"- phase {phase['index']}, continued from `{phase.get('continued_from')}` "
-                     f"(its step {phase.get('from_step')})")
-    for key, label in (("step", "steps"), ("tokens_seen", "tokens seen"), ("samples_seen", "samples seen"),
-                       ("precision", "precision"), ("zero_stage", "ZeRO stage"),
-                       ("pipeline_stages", "pipeline stages"), ("world_size", "ranks")):
-        if key in state:
-            value = state[key]
-            lines.append(f"- {label}: {value:,}" if isinstance(value, int) else f"- {label}: {value}")
-    for entry in state.get("data_sets") or []:
-        manifest = Path(entry["path"]) / "manifest.json"
+    phase = state.phase
+    if phase.index > 1:
+        lines.append(f"- phase {phase.index}, continued from `{phase.continued_from}` (its step {phase.from_step})")
+    for label, value in (("steps", state.step), ("tokens seen", state.tokens_seen),
+                         ("samples seen", state.samples_seen), ("precision", state.precision),
+                         ("ZeRO stage", state.zero_stage), ("pipeline stages", state.pipeline_stages),
+                         ("ranks", state.world_size)):
+        lines.append(f"- {label}: {value:,}" if isinstance(value, int) else f"- {label}: {value}")
+    for path, weight in state.sets:
+        manifest = Path(path) / "manifest.json"
         digest = file_sha256(manifest) if manifest.is_file() else "not found at conversion time"
-        lines.append(f"- data: `{entry['path']}` (weight {entry.get('weight')}, manifest.json sha256 {digest})")
-    tok = state.get("tokenizer") or {}
+        lines.append(f"- data: `{path}` (weight {weight}, manifest.json sha256 {digest})")
+    tok = state.tokenizer or {}
     if tok:
         lines.append(f"- tokenizer: {tok.get('kind')}, vocab {tok.get('vocab_size')}, special ids "
                      f"{tok.get('special_ids')}, sha256 {tok.get('sha256')}")
     return lines
 
 
-def _results(state: dict) -> list[str]:
+def _results(state: RunState | None) -> list[str]:
     """The last validation row at or before the checkpoint's step, and its step's transfer probe."""
-    config, step = _config(state), state.get("step")
-    if config is None or step is None:
+    config = _config(state)
+    if config is None:
         return []
+    step = state.step
     metrics = config.log_dir / "metrics.jsonl"
     if not metrics.is_file():
         return ["", "## Results", "", f"The run's metrics log ({metrics}) was not readable at conversion time."]
@@ -159,9 +161,9 @@ def _results(state: dict) -> list[str]:
     return lines
 
 
-def _config(state: dict) -> TrainConfig | None:
+def _config(state: RunState | None) -> TrainConfig | None:
     try:
-        return TrainConfig.from_dict(state["config"]) if state.get("config") else None
+        return TrainConfig.from_dict(state.config) if state is not None and state.config else None
     except ConfigError:  # a checkpoint from another version of the config: the card goes without the recipe
         return None
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from convbert_ds.config import ConfigError, ElectraConfig
 from convbert_ds.formats.checkpoint import directory as tags
+from convbert_ds.formats.checkpoint import run_state
 from convbert_ds.formats.checkpoint import store as checkpoint_store
 from convbert_ds.formats.checkpoint.names import meta_model, pipeline_layer_names, pipeline_to_plain
 from convbert_ds.formats.checkpoint.universal import META, Layout
@@ -38,7 +39,7 @@ from convbert_ds.objstore import is_url
 class Checkpoint:
     root: Path  # the trainer's checkpoint.dir
     tag: str
-    state: dict  # trainer_state.json
+    state: run_state.RunState  # trainer_state.json
     electra: ElectraConfig
 
     def __post_init__(self) -> None:  # the run's layout, as trainer_state.json records it
@@ -79,9 +80,9 @@ def open_checkpoint(checkpoint_dir, tag: str | None = None) -> Checkpoint:
     state_file = path / tags.TRAINER_STATE
     if not state_file.is_file():
         raise ConvertError(f"{state_file} not found: not a checkpoint written by convbert_ds.train")
-    state = tags.read_trainer_state(path)
+    state = run_state.read(path)
     try:
-        electra = ElectraConfig(**state["electra_config"])
+        electra = ElectraConfig(**state.electra_config)
     except (KeyError, TypeError, ConfigError) as error:
         raise ConvertError(f"{state_file}: unusable electra_config ({error})") from None
     return Checkpoint(root, tag, state, electra)

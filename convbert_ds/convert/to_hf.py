@@ -131,7 +131,7 @@ def convert_checkpoint(checkpoint_dir, out, tag: str | None = None, dtype: str =
     out = Path(out)
     refuse_non_empty(out, force, error=ConvertError)
     ckpt = open_checkpoint(checkpoint_dir, tag)
-    tokenizer_dir = resolve_tokenizer(ckpt.state.get("tokenizer"), tokenizer)
+    tokenizer_dir = resolve_tokenizer(ckpt.state.tokenizer, tokenizer)
     weights, source = read_state_dict(ckpt)
     if command is None:
         command = " ".join(["python -m convbert_ds.convert", "--checkpoint", str(ckpt.root), "--tag", ckpt.tag,

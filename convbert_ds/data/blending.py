@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import os
 from collections.abc import Sequence
@@ -30,8 +29,9 @@ from tqdm import tqdm
 
 from convbert_ds.data.index_cache import MappedRecords, RecordWriter, load_or_build
 from convbert_ds.data.packing import INDEX_FORMAT_VERSION, PackedDataset
+from convbert_ds.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 BLEND_DTYPE = np.dtype([("dataset", "<i4"), ("sample", "<i8")])
 _WINDOW = 1 << 20

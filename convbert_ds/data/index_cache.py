@@ -20,7 +20,6 @@ Why it is safe when hundreds of ranks start at once:
 from __future__ import annotations
 
 import json
-import logging
 import os
 import uuid
 import zlib
@@ -32,8 +31,9 @@ import numpy as np
 
 from convbert_ds.errors import UserError
 from convbert_ds.fsutil import exclusive_lock
+from convbert_ds.log import EVERY_RANK, get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MAGIC = b"CBDSIDX\x01"
 HEADER_BYTES = 4096
@@ -124,7 +124,7 @@ def _try_load(path: Path, key: str, dtype: np.dtype) -> CachedIndex | None:
     try:
         return _check(path, key, dtype, verify_crc=True)
     except (ValueError, KeyError, TypeError, OSError) as e:  # CacheFileError is a ValueError
-        logger.warning("rebuilding index: %s", e)
+        logger.warning("rebuilding index: %s", e, extra=EVERY_RANK)
         return None
 
 

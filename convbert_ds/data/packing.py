@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import time
 from pathlib import Path
@@ -43,8 +42,9 @@ from convbert_ds.data.shards import CACHE_SUBDIR, ShardSplit, open_split
 from convbert_ds.formats.sample_packing import (MIN_SEQ_LEN, SAMPLE_DTYPE, document_blocks, framed_lengths,
                                                 pack_documents)
 from convbert_ds.formats.shard_manifest import ShardManifestError
+from convbert_ds.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 INDEX_FORMAT_VERSION = 1
 

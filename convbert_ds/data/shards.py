@@ -112,7 +112,7 @@ VERIFIED_STAMP = "verified.json"
 
 
 def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
-                     trust_stamp: bool = True, cache_limit_gb: float = DEFAULT_LIMIT_GB) -> int:
+                     trust_stamp: bool = True, cache_limit_gb: float = DEFAULT_LIMIT_GB, record: bool = True) -> int:
     """Compare every shard file of ``shard_dir`` with the sha256 its manifest lists; returns the bytes hashed.
 
     A bit flip keeps a file's size, and a flipped token id or index entry would surface hours later as a
@@ -123,6 +123,7 @@ def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike 
     The stamp trusts a file whose size and mtime are unchanged; ``trust_stamp=False`` (``data.verify:
     always``) hashes every file anyway, for storage that may rot bits in place. In a store (a URL), a
     ``.bin`` is streamed through the hash and its stamp holds the object's ETag in place of the mtime.
+    ``record=False`` reads the stamp but writes none (``--check-config``, which changes nothing).
     """
     url = str(shard_dir) if objstore.is_url(shard_dir) else None
     cache = StoreCache.at(cache_dir, cache_limit_gb)
@@ -156,7 +157,7 @@ def verify_checksums(shard_dir: str | os.PathLike, cache_dir: str | os.PathLike 
                     check_shard_file(file, shard, ext, manifest_path, verify=True)
                 hashed += size
                 stamp[key], changed = seen, True
-    if changed:
+    if changed and record:
         with contextlib.suppress(OSError):
             stamp_path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomically(stamp_path, stamp, indent=1)

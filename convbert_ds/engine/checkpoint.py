@@ -28,59 +28,46 @@ is complete only with its COMPLETE, is ``convbert_ds.formats.checkpoint.store``.
 
 from __future__ import annotations
 
-import errno
-import json
-import os
 import shutil
-import signal
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from convbert_ds.engine import deepspeed_seam
 from convbert_ds.errors import first_line
 from convbert_ds.formats.checkpoint import directory as tags
+from convbert_ds.formats.checkpoint import run_state
 from convbert_ds.formats.checkpoint import store as checkpoint_store
 from convbert_ds.formats.checkpoint.rng import load_rng_file, rng_state, set_rng_state
 from convbert_ds.formats.safe_pickle import check_directory, deepspeed_loads_weights_only
 from convbert_ds.fsutil import write_text_atomically
+from convbert_ds.log import get_logger
 
 EXIT_NOT_SAVED = 4  # the run's last save failed: not 3 (EXIT_PREEMPTED), a requeue would hit the same disk
-
-
-def _fault_injection_point(step: int) -> None:
-    """Crash tests: ``CONVBERT_DS_KILL_DURING_SAVE_AT=STEP`` SIGKILLs rank 0 mid-save at that step."""
-    at = os.environ.get("CONVBERT_DS_KILL_DURING_SAVE_AT")
-    if at is not None and int(at) == step and dist.get_rank() == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _failure_injection_point(step: int, tag_dir: Path) -> None:
-    """Failed-save tests: ``CONVBERT_DS_FAIL_SAVE_AT=STEP`` makes one rank's save fail with ENOSPC after
-    DeepSpeed wrote its files (so partial files exist); rank 1 when there is one, to prove the ranks agree."""
-    at = os.environ.get("CONVBERT_DS_FAIL_SAVE_AT")
-    if at is not None and int(at) == step and dist.get_rank() == min(1, dist.get_world_size() - 1):
-        raise OSError(errno.ENOSPC, "No space left on device (CONVBERT_DS_FAIL_SAVE_AT)", str(tag_dir))
+log = get_logger(__name__)
 
 
 class _Writes:
     """One rank's writes during a save: the first error is kept and later writes are skipped.
 
     DeepSpeed's own writes (its checkpoint engine's ``save``/``makedirs``, the recovery scripts it copies)
-    are routed through here while it saves: a write error raised out of ``save_checkpoint`` would skip the
-    barriers that follow it there, and the other ranks would wait in them forever.
+    are routed through here while it saves (``deepspeed_seam.route_checkpoint_writes``): a write error raised
+    out of ``save_checkpoint`` would skip the barriers that follow it there, and the other ranks would wait in
+    them forever.
     """
 
     def __init__(self, engine, staged: list | None = None):
         self.error: BaseException | None = None
-        self.patched = [(engine.checkpoint_engine, "save"), (engine.checkpoint_engine, "makedirs"),
-                        (engine, "_copy_recovery_script")]
-        self.engine_save = engine.checkpoint_engine.save  # what writes a staged state later
+        self.engine_save = deepspeed_seam.checkpoint_engine_save(engine)  # what writes a staged state later
         self.staged = staged  # a list: DeepSpeed's states are copied into it, not written
+        self._routed = deepspeed_seam.route_checkpoint_writes(engine, self.attempt,
+                                                              save=None if staged is None else self._stage)
 
     def attempt(self, write, *args, **kwargs):
         if self.error is None:
@@ -97,16 +84,11 @@ class _Writes:
         self.staged.append((host_copy(state_dict), path))
 
     def __enter__(self):
-        for owner, name in self.patched:
-            if hasattr(owner, name):
-                original = self._stage if self.staged is not None and name == "save" else getattr(owner, name)
-                setattr(owner, name, lambda *a, _w=original, **k: self.attempt(_w, *a, **k))
+        self._routed.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for owner, name in self.patched:
-            if name in vars(owner):
-                delattr(owner, name)  # the instance attribute set above: the class's method shows again
+        return self._routed.__exit__(*exc)
 
 
 def host_copy(state, _storages: dict | None = None):
@@ -200,7 +182,7 @@ class Staged:
         return tags.tag_for(self.step)
 
 
-def stage(engine, directory: Path, step: int, trainer_state: dict, background: bool = False) -> Staged:
+def stage(engine, directory: Path, step: int, trainer_state: run_state.RunState, background: bool = False) -> Staged:
     """The part of a save the step loop waits for, on every rank: DeepSpeed's files written, or with
     ``background`` copied to host memory (the copy is all the step loop waits for)."""
     tag, staged = tags.tag_for(step), [] if background else None
@@ -208,8 +190,7 @@ def stage(engine, directory: Path, step: int, trainer_state: dict, background: b
         if dist.get_rank() == 0:  # re-saving a step (``latest`` moved back): no old COMPLETE over new files
             writes.attempt((directory / tag / tags.COMPLETE).unlink, missing_ok=True)
         engine.save_checkpoint(str(directory), tag=tag, save_latest=False)
-    return Staged(directory, step, json.dumps(trainer_state, indent=2, default=str), writes, rng_state(),
-                  staged or [])
+    return Staged(directory, step, trainer_state.to_json(), writes, rng_state(), staged or [])
 
 
 def finish(save: Staged, keep_last: int, device, group=None, mirror: str | None = None) -> str:
@@ -221,9 +202,9 @@ def finish(save: Staged, keep_last: int, device, group=None, mirror: str | None 
     tag, tag_dir = save.tag, save.directory / save.tag
     for state, path in save.staged:
         writes.attempt(writes.engine_save, state, path)
-    writes.attempt(_failure_injection_point, step, tag_dir)
+    writes.attempt(deepspeed_seam.injected_write_failure, step, tag_dir)
     writes.attempt(torch.save, save.rng, tag_dir / f"rng_rank{rank:05d}.pt")
-    _fault_injection_point(step)
+    deepspeed_seam.injected_kill(step)
     errors = _ranks_errors(writes.error, device, group)  # also the barrier: every rank's files are written
     if not errors:
         if rank == 0:
@@ -253,15 +234,16 @@ def _commit_to_store(directory: Path, tag: str, keep_last: int, mirror: str | No
             sent, seconds = checkpoint_store.upload_tag(directory, tag, mirror)
             checkpoint_store.prune(mirror, checkpoint_store.complete_tags(mirror)[-keep_last:])
         except OSError as error:  # a StoreError, or a local file that could not be read
-            print(f"warning: checkpoint {tag} is complete in {directory} but not in {mirror} ({first_line(error)}); "
-                  f"the checkpoints on this disk are kept until a later save's upload completes", flush=True)
+            log.warning(f"warning: checkpoint {tag} is complete in {directory} but not in {mirror} "
+                        f"({first_line(error)}); the checkpoints on this disk are kept until a later save's upload "
+                        "completes")
             return
-        print(f"uploaded checkpoint {tag} to {mirror} ({_bytes(sent)} in {seconds:.1f} s)", flush=True)
+        log.info(f"uploaded checkpoint {tag} to {mirror} ({_bytes(sent)} in {seconds:.1f} s)")
     for old in tags.complete_tags(directory)[:-keep_last]:
         shutil.rmtree(directory / old, ignore_errors=True)
 
 
-def save(engine, directory: Path, step: int, trainer_state: dict, keep_last: int) -> str:
+def save(engine, directory: Path, step: int, trainer_state: run_state.RunState, keep_last: int) -> str:
     """Save on every rank and wait for it; the tag becomes visible (COMPLETE, ``latest``) only once all ranks
     are done. Returns the tag; raises ``SaveFailed`` on every rank when any rank's writes failed."""
     return finish(stage(engine, directory, step, trainer_state), keep_last, engine.device)
@@ -316,18 +298,34 @@ class BackgroundSave:
 
 
 class RunSaves:
-    """A run's saves (``checkpoint.*``): waited for, or in the background; said by the logging rank, with how
-    long the step loop waited. ``saved_at``: the step of the last save that is complete or, in the
-    background, still in flight; a failed one leaves it behind, for the next interval or the run's last save
-    to make up for."""
+    """A run's saves (``checkpoint.*``) and when they are due: waited for, or in the background; said on rank
+    0 (the log's rank), with how long the step loop waited. Made on every rank at the same point.
+    ``saved_at``: the step of the last save that is complete or, in the background, still in flight; a
+    failed one leaves it behind, for the next interval or the run's last save to make up for."""
 
-    def __init__(self, engine, cfg, train_steps: int, is_logger: bool, after_save):
+    def __init__(self, engine, cfg, train_steps: int, after_save):
+        deepspeed_seam.check_checkpoint_writes(engine)  # a DeepSpeed that moved them fails here, not at a save
         self.engine, self.directory, self.cfg, self.train_steps = engine, Path(cfg.dir), cfg, train_steps
-        self.is_logger, self.after_save = is_logger, after_save  # after_save(step, tag_dir): the probes
+        self.after_save = after_save  # after_save(step, tag_dir), on rank 0: the probes
         self.background = BackgroundSave(cfg.keep_last, cfg.mirror) if cfg.background else None  # every rank, here
         self.saved_at = -1
 
-    def save(self, step: int, trainer_state: dict, final: bool) -> bool:
+    def start(self, step: int) -> None:
+        """The step loop starts at ``step``: 0, or the step it resumed from (that checkpoint exists)."""
+        self.saved_at = step
+
+    def due(self, step: int) -> bool:
+        """An interval save at ``step`` (the run's last step is ``save_last``'s)."""
+        return step % self.cfg.interval == 0 and step < self.train_steps
+
+    def save_last(self, step: int, make_state: Callable[[], run_state.RunState]) -> bool:
+        """The run's last save (its end, a preemption) unless ``step`` is saved already; False when it failed.
+        A background save still in flight ends first: if it failed, ``step`` is saved again. ``make_state()``:
+        the trainer state to save, asked for only when a save happens."""
+        self.finish_background()
+        return self.saved_at == step or self.save(step, make_state(), final=True)
+
+    def save(self, step: int, trainer_state: run_state.RunState, final: bool) -> bool:
         """Save at ``step``; False (on every rank) when it failed. A failed save is a warning and the next
         interval retries; a failed ``final`` one (the run's last, always waited for) is an error the caller
         exits on."""
@@ -338,8 +336,8 @@ class RunSaves:
             staged = stage(self.engine, self.directory, step, trainer_state, in_background)
             if in_background:
                 self.background.start(staged, started)
-                self._say(f"saving checkpoint {self.directory / staged.tag} in the background (the step loop "
-                          f"waited {time.perf_counter() - started:.2f} s)")
+                log.info(f"saving checkpoint {self.directory / staged.tag} in the background (the step loop "
+                         f"waited {time.perf_counter() - started:.2f} s)")
             else:
                 finish(staged, self.cfg.keep_last, self.engine.device, mirror=self.cfg.mirror)
                 self._saved(step, f"the step loop waited {time.perf_counter() - started:.2f} s")
@@ -370,21 +368,19 @@ class RunSaves:
 
     def _saved(self, step: int, how: str) -> None:
         tag_dir = self.directory / tags.tag_for(step)
-        self._say(f"saved checkpoint {tag_dir} ({how})")
-        if self.is_logger:
+        log.info(f"saved checkpoint {tag_dir} ({how})")
+        if dist.get_rank() == 0:
             self.after_save(step, tag_dir)
 
     def _say_failed(self, error: SaveFailed, step: int, final: bool) -> None:
+        if final:
+            log.error(error.final_line(step))
+            return
         interval = self.cfg.interval
-        next_step = min(step - step % interval + interval, self.train_steps)
-        self._say(error.final_line(step) if final else error.retry_line(next_step))
-
-    def _say(self, line: str) -> None:
-        if self.is_logger:
-            print(line, flush=True)
+        log.warning(error.retry_line(min(step - step % interval + interval, self.train_steps)))
 
 
-def load(engine, directory: Path, tag: str) -> dict:
+def load(engine, directory: Path, tag: str) -> run_state.RunState:
     """Restore DeepSpeed states, this rank's RNG states, and return the trainer state."""
     path = directory / tag
     check_directory(path)  # no pickled global outside the allow-list, before DeepSpeed reads a byte
@@ -398,4 +394,4 @@ def load(engine, directory: Path, tag: str) -> dict:
         raise FileNotFoundError(f"{rng_file} not found: the checkpoint was written by fewer ranks; "
                                 "resume with the same number of processes for an exact resume")
     set_rng_state(load_rng_file(rng_file))
-    return tags.read_trainer_state(path)
+    return run_state.read(path)

@@ -2,8 +2,8 @@
 
 torch.compile's inductor caches what it builds on the local disk (``/tmp`` unless
 ``TORCHINDUCTOR_CACHE_DIR`` says otherwise), which a job restarted on other nodes, or in a fresh container,
-does not see: every restart of a compiled run then pays the whole first-step compile again (about 2
-minutes for the ConvBERT-base step on an H200; ``benchmarks/RESULTS.md``), on every node. So the first time
+does not see: every restart of a compiled run then pays the whole first-step compile again (minutes for
+the ConvBERT-base step: ``benchmarks/RESULTS.md``, "time to the first step"), on every node. So the first time
 a process has built graphs (its first training step, and its first evaluation where evaluation compiles),
 one rank per pipeline stage writes what inductor built or found in its caches in this process
 (``torch.compiler.save_cache_artifacts``: the compiled graphs, their Triton kernels bundled with them on
@@ -38,7 +38,10 @@ import torch
 
 from convbert_ds.engine.plan import RunPlan
 from convbert_ds.fsutil import file_name_part, write_bytes_atomically
+from convbert_ds.log import EVERY_RANK, get_logger
 from convbert_ds.model.layers import compiled_graph_count
+
+log = get_logger(__name__)
 
 
 def graph_settings(plan: RunPlan, stage: int) -> dict:
@@ -103,17 +106,17 @@ class CompileCache:
     (otherwise it reads a host-side counter and returns). ``path`` None: off (``train.compile`` or
     ``train.compile_cache`` off)."""
 
-    def __init__(self, path: Path | None, writes: bool, announce: bool):
-        self.path, self.writes, self.announce = path, writes, announce
+    def __init__(self, path: Path | None, writes: bool):
+        self.path, self.writes = path, writes
         self._graphs_seen = 0
         self._on_disk: str | None = None  # the sha256 of the file as this process loaded or last wrote it
 
     @classmethod
-    def for_run(cls, plan: RunPlan, stage: int, writes: bool, announce: bool) -> CompileCache:
+    def for_run(cls, plan: RunPlan, stage: int, writes: bool) -> CompileCache:
         t = plan.cfg.train
         path = cache_file(plan.cfg.compile_cache_dir, graph_settings(plan, stage), stage) \
             if t.compile and t.compile_cache else None
-        return cls(path, writes, announce)
+        return cls(path, writes)
 
     def load(self) -> None:
         if self.path is None:
@@ -158,5 +161,5 @@ class CompileCache:
         self._say(f"compile: {found} graph(s) found in inductor's caches, {built} compiled")
 
     def _say(self, line: str) -> None:
-        if self.announce:
-            print(line, flush=True)
+        if self.writes:  # the writer of each pipeline stage's file speaks for it
+            log.info(line, extra=EVERY_RANK)

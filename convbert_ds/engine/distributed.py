@@ -6,7 +6,8 @@
 - ``mpirun -np N python -m convbert_ds.train``: asked of MPI through mpi4py.
 - nothing: a single process.
 
-``init_process_group`` then starts DeepSpeed's process group the one way every entry point uses.
+``init_process_group`` then starts DeepSpeed's process group the one way every entry point uses, and
+``place`` binds the process's GPU before it: the trainer and fine-tuning both start that way.
 """
 
 from __future__ import annotations
@@ -150,12 +151,32 @@ def init_process_group(backend: str | None = None) -> str:
     return backend
 
 
+def place(group_when_alone: bool = True) -> torch.device:
+    """Bind this process to its device and start the process group; return the device. Call after ``discover``.
+
+    The device is LOCAL_RANK's GPU when there is a GPU (modulo the GPUs this process sees: a task bound to
+    one GPU by --gpus-per-task sees only that one), else the CPU. The group is started by
+    ``init_process_group``; ``group_when_alone=False`` starts none for a single process (fine-tuning's
+    plain loop needs none, and leaves the process as it found it; DeepSpeed's engine always needs one).
+    """
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if group_when_alone or world_size() > 1:
+        init_process_group()
+    return device
+
+
 T = TypeVar("T")
 
 
 def on_rank0(work: Callable[[], T]) -> T:
     """``work()`` on rank 0 only; every rank returns its result, or raises its exception (the others would
-    otherwise wait forever in the next collective)."""
+    otherwise wait forever in the next collective). A process that started no group (a single one) is rank 0
+    alone: ``work()`` simply runs there."""
+    if not dist.is_initialized():
+        return work()
     outcome = [None]
     if dist.get_rank() == 0:
         try:

@@ -23,6 +23,9 @@ from pathlib import Path
 
 from convbert_ds.engine.distributed import TORCH_VARS
 from convbert_ds.formats.train_config import DownstreamSection
+from convbert_ds.log import get_logger
+
+log = get_logger(__name__)
 
 BASELINE = "random_init"
 
@@ -84,30 +87,30 @@ class DownstreamProbes:
                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1"}
         for name in TORCH_VARS:
             env.pop(name, None)  # the probe is a single process of its own, not a rank of this job
-        with open(probe.out.parent / f"{probe.name}.log", "w") as log:
-            probe.process = subprocess.Popen(probe.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+        with open(probe.out.parent / f"{probe.name}.log", "w") as output:
+            probe.process = subprocess.Popen(probe.command, stdout=output, stderr=subprocess.STDOUT, env=env,
                                              preexec_fn=lambda: os.nice(self.section.nice))
         self.running = probe
 
     def _finish(self, probe: Probe) -> None:
-        log = probe.out.parent / f"{probe.name}.log"
+        log_file = probe.out.parent / f"{probe.name}.log"
         results = probe.out / "results.json"
         if probe.process.returncode != 0 or not results.is_file():
-            tail = log.read_text().strip().splitlines()[-1:] if log.is_file() else []
-            print(f"warning: downstream probe {probe.name} failed (exit code {probe.process.returncode}; "
-                  f"{tail[0] if tail else 'no output'}); see {log}", flush=True)
+            tail = log_file.read_text().strip().splitlines()[-1:] if log_file.is_file() else []
+            log.info(f"warning: downstream probe {probe.name} failed (exit code {probe.process.returncode}; "
+                  f"{tail[0] if tail else 'no output'}); see {log_file}")
             return
         score = json.loads(results.read_text())["median"]
         if probe.step is None:
             self.baseline = score
-            print(f"downstream: random-init baseline {score:.4f}", flush=True)
+            log.info(f"downstream: random-init baseline {score:.4f}")
             return
         row = {"score": score}
         line = f"downstream step {probe.step} | score {score:.4f}"
         if self.baseline is not None:
             row["random_init"] = self.baseline
             line += f" | random init {self.baseline:.4f} | gain {score - self.baseline:+.4f}"
-        print(line, flush=True)
+        log.info(line)
         self.log_row(probe.step, row)
 
     def poll(self) -> None:
@@ -119,7 +122,7 @@ class DownstreamProbes:
             probe = self.queue.pop(0)
             if probe.step is not None and not probe.checkpoint.is_dir():
                 # Probes slower than checkpoints: this one was rotated away (checkpoint.keep_last) meanwhile.
-                print(f"downstream: {probe.name} was deleted before its probe could start; skipped", flush=True)
+                log.info(f"downstream: {probe.name} was deleted before its probe could start; skipped")
                 continue
             self._start(probe)
 

@@ -31,6 +31,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from convbert_ds.formats.train_config import LogSection
 from convbert_ds.fsutil import truncate_jsonl, write_text_atomically
+from convbert_ds.log import get_logger
+
+log = get_logger(__name__)
 
 RUN_ID_FILE = "wandb_run_id"
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -91,8 +94,8 @@ def _start_wandb(section: LogSection, log_dir: Path, run_config: dict):
     id_file = log_dir / RUN_ID_FILE
     run_id = id_file.read_bytes().decode("ascii", "replace").strip() if id_file.is_file() else None
     if run_id is not None and not _RUN_ID.fullmatch(run_id):  # damaged: a new run beats a crash at start
-        print(f"warning: {id_file} is damaged ({run_id[:40]!r} is not a W&B run id); this run logs to a new "
-              "W&B run", flush=True)
+        log.info(f"warning: {id_file} is damaged ({run_id[:40]!r} is not a W&B run id); this run logs to a new "
+                 "W&B run")
         run_id = None
     if run_id is None:
         run_id = uuid.uuid4().hex[:12]

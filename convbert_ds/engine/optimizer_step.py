@@ -7,9 +7,9 @@ autocast; no pipeline, no fp16 loss scale; ``plan.whole_fp32_grads``):
 
 - **the all-reduce.** DeepSpeed's (``engine.allreduce_gradients``, inside ``backward``) flattens the
   gradients, all-reduces the flat tensor and copies it back one parameter tensor at a time: a copy kernel
-  per tensor (568 for ConvBERT-base) every step. Here the same flatten and all-reduce (DeepSpeed's
-  ``allreduce_bucket``, so its averaging and ``communication_data_type`` hold) and one multi-tensor copy
-  back. The reduced values are the same.
+  per tensor (568 for ConvBERT-base) every step. Here the same flatten and all-reduce (DeepSpeed's own,
+  through ``deepspeed_seam.gradient_allreduce``, so its averaging and ``communication_data_type`` hold) and
+  one multi-tensor copy back. The reduced values are the same.
 - **the clipping**: one fused norm over all tensors (``plan.trainer_clip_norm``; DeepSpeed's is off).
 
 On one data-parallel rank at ZeRO-0 there is nothing to reduce: DeepSpeed's all-reduce would copy every
@@ -20,6 +20,8 @@ partitions in theirs: kept.)
 from __future__ import annotations
 
 import torch
+
+from convbert_ds.engine import deepspeed_seam
 
 
 class OptimizerStep:
@@ -32,9 +34,10 @@ class OptimizerStep:
         self.clipped = trained if max_norm > 0 else []
         self.params: list[torch.nn.Parameter] = []  # whose gradients the trainer all-reduces; empty: none
         if zero_stage == 0 and (dp_size == 1 or whole_fp32_grads):
-            engine.enable_backward_allreduce = False  # nothing to reduce, or the trainer reduces
+            deepspeed_seam.turn_off_backward_allreduce(engine)  # nothing to reduce, or the trainer reduces
             if dp_size > 1:
                 self.params = trained
+                self.reduce = deepspeed_seam.gradient_allreduce(engine)  # at set-up: a mismatch fails here
 
     def __call__(self) -> None:
         if self.engine.is_gradient_accumulation_boundary():
@@ -52,6 +55,4 @@ class OptimizerStep:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        # The group and the averaging of DeepSpeed's own ZeRO-0 all-reduce (_reduce_non_expert_gradients).
-        flat = self.engine.allreduce_bucket(grads, self.engine.seq_data_parallel_group)
-        torch._foreach_copy_(grads, self.engine.unflatten(flat, grads))
+        torch._foreach_copy_(grads, self.reduce(grads))

@@ -5,6 +5,11 @@ shards, the DeepSpeed file or the world size, and returns a ``RunPlan``: the Dee
 accumulation, precision, the ELECTRA/model config sized to the shards' tokenizer, and the pipeline
 layout. The trainer, ``--check-config`` (the Slurm scripts' up-front check) and ``--print-config`` all
 start from it, so they cannot disagree.
+
+It reads what it checks (the shards' manifests, the DeepSpeed file, the checkpoints' states, the store's
+newest tag) and writes nothing anywhere, so checking a config changes no directory and no store. What a
+run needs written first (the store's newest checkpoint downloaded, the shards' checksum stamps, a store's
+index files in the cache) is ``convbert_ds.engine.prepare``'s, which the trainer's start calls after it.
 """
 
 from __future__ import annotations
@@ -19,18 +24,18 @@ import torch
 from convbert_ds.config import (ConfigError, ElectraConfig, ModelConfig, generator_config, preset,
                                 preset_generator_multiplier)
 from convbert_ds.data.loader import parse_sets
-from convbert_ds.data.remote_shards import StoreCache
-from convbert_ds.data.shards import check_same_tokenizer, open_manifest, open_split, verify_checksums
-from convbert_ds.engine import distributed
+from convbert_ds.data.shards import ShardSplit, check_same_tokenizer, open_split
 from convbert_ds.engine.compile_options import inductor_options
 from convbert_ds.engine.compile_plan import check_compile
 from convbert_ds.engine.pipeline import check_pipeline_ds_config
 from convbert_ds.formats.checkpoint import store as checkpoint_store
-from convbert_ds.formats.checkpoint.directory import COMPLETE, latest_complete, read_trainer_state
+from convbert_ds.formats.checkpoint import run_state
+from convbert_ds.formats.checkpoint.directory import COMPLETE, latest_complete, step_of
 from convbert_ds.formats.checkpoint.names import pipeline_layer_names
 from convbert_ds.formats.checkpoint.universal import Layout
 from convbert_ds.formats.train_config import PROFILE_KINDS, DataSection, TrainConfig
 from convbert_ds.formats.init_dir import init_generator_config, init_model_config, read_init
+from convbert_ds.formats.shard_manifest import read_manifest, read_store_manifest
 from convbert_ds.errors import UserError
 from convbert_ds.fsutil import read_json
 from convbert_ds.objstore import StoreError, Url, is_url
@@ -66,14 +71,15 @@ class RunPlan:
     electra: ElectraConfig
     sets: list  # [(shard dir, weight)]
     tokenizer: dict  # the shards' tokenizer, as their manifest records it
-    has_valid: bool  # every shard dir has a validation split
+    has_valid: bool  # every shard dir has a validation split (as listed; prepare opens them)
     micro_batch_size: int  # train.micro_batch_size, or global / data-parallel ranks when that is null
     # train.cuda_graphs resolved (inductor, capture or off: auto decided) and, when auto did not capture, why
     cuda_graphs: str = "inductor"
     cuda_graphs_why: str = ""
     # train.compile_options by inductor's dotted names, checked (compile_options.inductor_options)
     compile_options: dict = field(default_factory=dict)
-    # phase.continue_from resolved to one checkpoint, when this run starts from it (its own dir is empty)
+    # phase.continue_from resolved to one checkpoint, when this run starts from it (its own dir is empty;
+    # prepare resolves it again once the store's newest checkpoint is on this disk)
     continue_from: Path | None = None
 
     @property
@@ -331,15 +337,21 @@ def _check_store_urls(cfg: TrainConfig) -> None:
             raise ConfigError(f"checkpoint.mirror={cfg.checkpoint.mirror!r}: {error}") from None
 
 
-def _has_valid(path: Path | str, data: DataSection) -> bool:
-    """Whether a shard dir has documents to evaluate on; a damaged validation split is an error, not a
-    reason to run without evaluation."""
-    cache = StoreCache.at(data.cache_dir, data.cache_limit_gb)
-    split = open_manifest(path, cache, splits=())[1]["splits"].get("valid")
-    if not (split and split["documents"]):
-        return False
-    open_split(path, "valid", data.cache_dir, data.cache_limit_gb)  # raises, naming the damage, if a shard
-    return True  # file is missing or truncated
+def _listed_set(path: Path | str, data: DataSection) -> tuple[ShardSplit, bool]:
+    """A set's train split and whether its manifest lists documents to evaluate on, read without writing:
+    a local directory's split opened (open_split only reads there: the manifest, every file's size); a
+    store's manifest alone, with no shards (opening them fetches the index files into the cache:
+    prepare.py does, and opens the validation splits, which fail on damage)."""
+    if is_url(path):
+        manifest = read_store_manifest(str(path))[1]
+        tokenizer = manifest["tokenizer"]
+        train = ShardSplit(Path(), "train", (), tokenizer, dict(tokenizer["special_ids"]),
+                           int(tokenizer["vocab_size"]), origin=str(path))
+    else:
+        train = open_split(path, "train", data.cache_dir, data.cache_limit_gb)
+        manifest = read_manifest(train.shard_dir, verify=False)
+    valid = manifest["splits"].get("valid")
+    return train, bool(valid and valid["documents"])
 
 
 def _differences(saved, now, path: str = "") -> list[str]:
@@ -354,13 +366,13 @@ def _check_resumable(tag_dir: Path, key: str, electra: ElectraConfig, tokenizer:
     hold the same model, made from the same tokenizer: any layout can be resumed, another model cannot (its
     weights would not fit, or would mean other tokens)."""
     try:
-        state = read_trainer_state(tag_dir)
+        state = run_state.read(tag_dir)
     except (OSError, ValueError):  # damaged: the resume's verification sets the tag aside and says so
         return
     where = f"{key}={str(tag_dir if key != 'checkpoint.dir' else tag_dir.parent)!r}"
     fix = ("resume with the model config it was trained with, or set checkpoint.dir to a new directory"
            if key == "checkpoint.dir" else "use the model config of that phase (model.preset, model.overrides)")
-    saved_model = {k: v for k, v in state.get("electra_config", {}).items() if k in _ARCHITECTURE_KEYS}
+    saved_model = {k: v for k, v in state.electra_config.items() if k in _ARCHITECTURE_KEYS}
     model = json.loads(json.dumps({k: v for k, v in electra.to_dict().items() if k in _ARCHITECTURE_KEYS}))
     changed = _differences(saved_model, model)
     if changed:
@@ -369,7 +381,7 @@ def _check_resumable(tag_dir: Path, key: str, electra: ElectraConfig, tokenizer:
             fix = ("a model's position table is fixed when it is created: its phase 1 must be trained with the "
                    "positions phase 2 needs (512 by default)")
         raise ConfigError(f"{where} holds a run of another model ({tag_dir.name}: {'; '.join(changed[:3])}); {fix}")
-    if "tokenizer" in state and state["tokenizer"].get("sha256") != tokenizer.get("sha256"):
+    if state.tokenizer is not None and state.tokenizer.get("sha256") != tokenizer.get("sha256"):
         raise ConfigError(f"{where} holds a run on shards of another tokenizer ({tag_dir.name}); shard the corpus "
                           f"with that run's tokenizer, or set {key} to another directory")
 
@@ -393,6 +405,24 @@ def previous_phase(cfg: TrainConfig, exists: bool = True) -> Path | None:
         raise ConfigError(f"phase.continue_from={value!r}: no complete checkpoint there; point it at the previous "
                           "phase's checkpoint.dir (or one stepNNNNNNNN directory in it)")
     return path / tag
+
+
+def check_checkpoints(cfg: TrainConfig, electra: ElectraConfig, tokenizer: dict, store: bool = True) -> Path | None:
+    """Check the checkpoint this run resumes (checkpoint.dir's newest) or continues (phase.continue_from)
+    against its model and tokenizer, reading only; returns the one it continues from, None once this phase
+    has a checkpoint of its own. ``store``: a newer complete tag in checkpoint.mirror is this phase's own (a
+    run downloads it first and checks it then, prepare.py); False once it is downloaded."""
+    directory, mirror = Path(cfg.checkpoint.dir), cfg.checkpoint.mirror
+    own = latest_complete(directory)
+    stored = checkpoint_store.latest_complete(mirror) if store and mirror else None
+    newer_in_store = stored is not None and (own is None or step_of(stored) > step_of(own))
+    if own is not None and not newer_in_store:
+        _check_resumable(directory / own, "checkpoint.dir", electra, tokenizer)
+    # Once this phase has a checkpoint of its own, the previous phase is not read again (nor needed).
+    continue_from = previous_phase(cfg, exists=own is None and not newer_in_store)
+    if continue_from is not None:
+        _check_resumable(continue_from, "phase.continue_from", electra, tokenizer)
+    return continue_from
 
 
 def _check_profile(cfg: TrainConfig, cuda: bool) -> None:
@@ -439,14 +469,8 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
                                                  whole_fp32_grads(ds_config, cfg.pipeline.stages, precision))
     compile_options = inductor_options(cfg)
     sets = parse_sets(cfg.data.sets)
-    train_splits = [open_split(path, "train", cfg.data.cache_dir, cfg.data.cache_limit_gb) for path, _ in sets]
-    if cfg.data.verify != "size" and distributed.rank() == 0:
-        # Rank 0 alone reads every byte (once per file unless "always", see verify_checksums); the others
-        # check sizes.
-        for path, _ in sets:
-            verify_checksums(path, cfg.data.cache_dir, trust_stamp=cfg.data.verify == "checksum",
-                             cache_limit_gb=cfg.data.cache_limit_gb)
-    check_same_tokenizer(train_splits)
+    train_splits, with_valid = zip(*(_listed_set(path, cfg.data) for path, _ in sets))
+    check_same_tokenizer(list(train_splits))
     first = train_splits[0]
     init, recorded = cfg.model.init_from_hf, None
     if init:
@@ -463,19 +487,9 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
         raise ConfigError(f"pipeline.stages={cfg.pipeline.stages}: the model has {layers} layers with weights to "
                           f"divide between the stages; use at most {layers} stages")
     _check_store_urls(cfg)
-    if cfg.checkpoint.mirror:  # a fresh machine or a lost disk: the store's newest checkpoint first
-        fetched = checkpoint_store.fetch_newer(Path(cfg.checkpoint.dir), cfg.checkpoint.mirror)
-        if fetched:
-            print(fetched, flush=True)
-    own = latest_complete(Path(cfg.checkpoint.dir))
-    if own is not None:
-        _check_resumable(Path(cfg.checkpoint.dir) / own, "checkpoint.dir", electra, first.tokenizer)
-    # Once this phase has a checkpoint of its own, the previous phase is not read again (nor needed).
-    continue_from = previous_phase(cfg, exists=own is None)
-    if continue_from is not None:
-        _check_resumable(continue_from, "phase.continue_from", electra, first.tokenizer)
+    continue_from = check_checkpoints(cfg, electra, first.tokenizer)
     return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
                    electra=electra, sets=sets, tokenizer=first.tokenizer,
-                   has_valid=all(_has_valid(path, cfg.data) for path, _ in sets), micro_batch_size=micro_batch_size,
+                   has_valid=all(with_valid), micro_batch_size=micro_batch_size,
                    continue_from=continue_from, cuda_graphs=cuda_graphs, cuda_graphs_why=cuda_graphs_why,
                    compile_options=compile_options)

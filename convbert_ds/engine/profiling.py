@@ -33,14 +33,17 @@ import torch
 
 from convbert_ds.errors import UserError
 from convbert_ds.formats.train_config import ProfileSection
+from convbert_ds.log import get_logger
+
+log = get_logger(__name__)
 
 
 STEP_RANGE = "train step "  # each profiled step's range: "train step N"
 
 
 class StepProfiler:
-    def __init__(self, section: ProfileSection, log_dir: Path, rank: int, announce: bool):
-        self.section, self.rank, self.announce = section, rank, announce
+    def __init__(self, section: ProfileSection, log_dir: Path, rank: int):
+        self.section, self.rank = section, rank
         self.first = section.start_step
         self.last = section.start_step + section.steps - 1 if section.start_step else 0
         self.out = log_dir / "profile"
@@ -104,13 +107,12 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
             self.memory, wrote = False, True
         self.first = self.last = 0  # once
-        if wrote and self.announce:
-            print(f"profile: steps {self.section.start_step}-{self.section.start_step + self.section.steps - 1} "
+        if wrote:
+            log.info(f"profile: steps {self.section.start_step}-{self.section.start_step + self.section.steps - 1} "
                   f"({', '.join(self.section.what)}) written to {self.out} (tensorboard --logdir {self.out}, "
-                  "or open a .pt.trace.json in Perfetto)", flush=True)
+                  "or open a .pt.trace.json in Perfetto)")
             if summary:
-                print(f"profile summary (rank {self.rank}, {self.traced_steps} steps):", *summary, sep="\n  ",
-                      flush=True)
+                log.info("\n  ".join([f"profile summary (rank {self.rank}, {self.traced_steps} steps):", *summary]))
 
 
 def _synchronized_clock() -> float:

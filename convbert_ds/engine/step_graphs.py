@@ -12,13 +12,14 @@ and a warning when inductor was asked and recorded none.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from convbert_ds.formats.train_config import TrainSection
+from convbert_ds.log import get_logger
 from convbert_ds.model.layers import cuda_graphs_recorded, cudagraph_skips
 from convbert_ds.model.step_capture import CapturedStep, capture_step
+
+log = get_logger(__name__)
 
 
 class StepGraphs:
@@ -29,8 +30,7 @@ class StepGraphs:
         self.captured: CapturedStep | None = None
         self.check_at: int | None = None
 
-    def capture(self, model: torch.nn.Module, device: torch.device, announce: bool, write_grads: bool,
-                accumulates: bool) -> None:
+    def capture(self, model: torch.nn.Module, device: torch.device, write_grads: bool, accumulates: bool) -> None:
         """With ``capture``: make ``model`` record its step (call it once the engine has put the parameters
         where they stay); without CUDA, say that the run goes without. ``write_grads``: the graphs write
         ``.grad`` themselves (``plan.whole_fp32_grads``); ``accumulates``: several micro-batches per step
@@ -39,8 +39,8 @@ class StepGraphs:
             return
         if device.type == "cuda":
             self.captured = capture_step(model, write_grads, accumulates)
-        elif announce:
-            print("note: train.cuda_graphs=capture: no CUDA device, so the step runs without CUDA graphs", flush=True)
+        else:
+            log.info("note: train.cuda_graphs=capture: no CUDA device, so the step runs without CUDA graphs")
 
     def begin_step(self) -> None:
         if self.trees:
@@ -58,15 +58,15 @@ class StepGraphs:
             return cuda_graphs_recorded()
         return self.captured.graphs if self.captured else None
 
-    def check(self, step: int, recorded: int | None, announce: bool) -> None:
+    def check(self, step: int, recorded: int | None) -> None:
         """Say so, once, when the compiled step asked inductor for CUDA graphs and none was recorded by the
         check step: the run goes on, kernel by kernel."""
         if recorded is None or self.check_at is None or step < self.check_at:
             return
         self.check_at = None
-        if recorded == 0 and announce:
-            print(f"warning: train.compile_mode=step: no CUDA graph was captured by step {step} (inductor "
+        if recorded == 0:
+            log.warning(f"warning: train.compile_mode=step: no CUDA graph was captured by step {step} (inductor "
                   f"reported {cudagraph_skips()} skip(s)); the compiled step launches its kernels one by one. "
                   "TORCH_LOGS=cudagraphs prints the reasons inductor gives; with TORCHINDUCTOR_GRAPH_PARTITION=0 "
                   "it also gives the reasons graph partitioning keeps to itself. train.cuda_graphs=capture "
-                  "captures the step by hand instead", file=sys.stderr, flush=True)
+                  "captures the step by hand instead")

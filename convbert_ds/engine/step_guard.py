@@ -25,9 +25,16 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from convbert_ds.formats.train_config import TrainSection
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite losses in a row); the message says how to resume."""
 
 
 @dataclass
@@ -52,10 +59,15 @@ class StepGuard:
     def _handle(self, signum, frame):
         self.requested = True
 
-    def start(self, device: torch.device, check_interval: int, max_in_a_row: int, skips_nonfinite: bool) -> None:
-        """``skips_nonfinite``: the optimizer skips steps with non-finite gradients itself (fp16)."""
-        self.device, self.check_interval = device, check_interval
-        self.max_in_a_row, self.skips_nonfinite = max_in_a_row, skips_nonfinite
+    def start(self, device: torch.device, train: TrainSection, precision: str, step: int, nonfinite_total: int,
+              resume_dir: Path) -> None:
+        """The step loop starts after ``step`` with ``nonfinite_total`` bad micro-batches behind it (a resumed
+        run's count); ``resume_dir``: where the error that stops the run tells the user to resume from."""
+        self.device, self.check_interval = device, train.nonfinite_check_interval
+        self.max_in_a_row, self.precision = train.max_nonfinite_in_a_row, precision
+        # fp16's loss scaler skips steps with non-finite gradients itself.
+        self.skips_nonfinite = precision == "fp16"
+        self.checked_at, self.nonfinite_total, self.resume_dir = step, nonfinite_total, resume_dir
         # gloo for host tensors: the backend of the default group may be NCCL, which reduces device tensors.
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         zero = torch.zeros((), dtype=torch.int32, device=device)
@@ -75,13 +87,19 @@ class StepGuard:
 
     def end_step(self, step: int, before_save: bool = False) -> Verdict:
         """Close a step with one host all-reduce; on check steps, before a save and on a preemption (which
-        saves) it also carries the counts read from the device."""
+        saves) it also carries the counts read from the device. Raises ``TrainingError`` when they say the
+        run cannot go on."""
         self._in_a_row = (self._in_a_row + 1) * self._step_bad
         self._worst = torch.maximum(self._worst, self._in_a_row)
         self._step_bad.zero_()
         verdict = self._agree(read=before_save or step % self.check_interval == 0)
         if verdict.preempted and not verdict.checked:  # every rank agreed on that, so every rank comes here
             verdict = self._agree(read=True)
+        if verdict.checked:
+            self.nonfinite_total += verdict.nonfinite
+            if self.must_stop(verdict):
+                raise TrainingError(self._stop_line(verdict, step))
+            self.checked_at = step
         return verdict
 
     def _agree(self, read: bool) -> Verdict:
@@ -98,3 +116,13 @@ class StepGuard:
         """True when the losses say the run cannot go on (see the module docstring)."""
         return verdict.worst_in_a_row >= self.max_in_a_row if self.drops_nonfinite or self.skips_nonfinite \
             else verdict.nonfinite > 0
+
+    def _stop_line(self, verdict: Verdict, step: int) -> str:
+        fix = "with a lower train.lr, or train.precision=bf16 instead of fp16"
+        if self.drops_nonfinite or self.skips_nonfinite:
+            return (f"{verdict.worst_in_a_row} steps in a row had a non-finite loss (by step {step}); stopping. "
+                    f"Resume from {self.resume_dir} {fix}")
+        return (f"{verdict.nonfinite} micro-batch(es) had a non-finite loss in steps {self.checked_at + 1}-{step} "
+                f"and {self.precision} does not skip their updates; stopping before any checkpoint holds them. "
+                f"Resume from {self.resume_dir} (its last checkpoint predates them) {fix} "
+                "(train.nonfinite_check_interval=1 drops such micro-batches instead, at a device sync each)")

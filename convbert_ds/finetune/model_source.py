@@ -30,10 +30,10 @@ class ModelSource:
     description: str  # for results.json: what was given and what it resolved to
 
 
-def resolve_model(path, work_dir: Path, convert: bool = True) -> ModelSource:
-    """``path`` as a ModelSource; a checkpoint is converted into ``work_dir/converted/TAG`` once
-    (``convert=False``: only find that directory, for ranks other than the one that converts). A store URL
-    (a run's ``checkpoint.mirror``, or one tag in it) is downloaded into the local cache first."""
+def resolve_model(path, work_dir: Path) -> ModelSource:
+    """``path`` as a ModelSource; a checkpoint is converted into ``work_dir/converted/TAG`` once. A store URL
+    (a run's ``checkpoint.mirror``, or one tag in it) is downloaded into the local cache first. Fine-tuning
+    resolves on rank 0 alone and hands the result to the other ranks."""
     if is_url(path):
         root, tag = checkpoint_store.local_copy(str(path))
         path = root / tag
@@ -47,7 +47,7 @@ def resolve_model(path, work_dir: Path, convert: bool = True) -> ModelSource:
         try:
             ckpt = open_checkpoint(path)
             converted = work_dir / "converted" / ckpt.tag
-            if convert and not converted.is_dir():
+            if not converted.is_dir():
                 # native_ok: a body transformers cannot express (an ablation's) is written in our own format.
                 convert_checkpoint(path, converted, native_ok=True)
         except ConvertError as error:

@@ -19,21 +19,19 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from convbert_ds.convert.to_hf import tokenizer_files
 from convbert_ds.engine import distributed
 from convbert_ds.finetune.batches import encode
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.loop import Classification, Placement, train_seed
-from convbert_ds.finetune.model_source import initial_model, resolve_model
+from convbert_ds.finetune.model_source import ModelSource, initial_model, resolve_model
 from convbert_ds.finetune.qa import SpanObjective
 from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.squad import QATask, windows
@@ -87,13 +85,7 @@ def _placement() -> Placement:
     world, rank = distributed.world_size(), distributed.rank()
     if world == 1:  # one process needs no rendezvous: leave the environment as it was
         restore()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return Placement(device, rank, world)
+    return Placement(distributed.place(group_when_alone=False), rank, world)
 
 
 def _settings(spec: RunSpec, recipe: Recipe, model_description: str) -> dict:
@@ -101,22 +93,6 @@ def _settings(spec: RunSpec, recipe: Recipe, model_description: str) -> dict:
                      "metric": spec.task.metric, "source": spec.task.source},
             "model": spec.model, "model_resolved": model_description,
             "init": "random" if spec.random_init else "pretrained", "recipe": asdict(recipe)}
-
-
-def _main_first(place: Placement, work) -> None:
-    """Run ``work`` on rank 0; its FinetuneError is raised on every rank (no rank waits for a rank that quit)."""
-    error = None
-    if place.main:
-        try:
-            work()
-        except FinetuneError as failure:
-            error = str(failure)
-    if place.world_size > 1:
-        message = [error]
-        dist.broadcast_object_list(message, src=0)
-        error = message[0]
-    if error is not None:
-        raise FinetuneError(error)
 
 
 def _check_resume(out: Path, settings: dict) -> None:
@@ -188,23 +164,27 @@ def _task_kind(task, tokenizer, recipe: Recipe):
                                                              num_labels=1 if labels is None else None))
 
 
+def _resolve(spec: RunSpec, cuda: bool) -> tuple[ModelSource, Recipe]:
+    """The one place the model and the recipe are resolved, on rank 0 alone (it writes OUT): OUT emptied by
+    --force, a checkpoint --model converted into it, the recipe's defaults filled in for that model, and a
+    rerun's settings checked against run.json."""
+    out = spec.out
+    if spec.force and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    source = resolve_model(spec.model, out)
+    recipe = spec.recipe.resolve(spec.task.name, source.config, cuda)
+    _check_resume(out, _settings(spec, recipe, source.description))
+    (out / SEEDS_DIR).mkdir(exist_ok=True)
+    return source, recipe
+
+
 def run(spec: RunSpec) -> dict | None:
     """Fine-tune every seed (resuming finished and unfinished ones); returns results.json's content on rank 0."""
     place = _placement()
     out = spec.out
-
-    def prepare() -> None:  # rank 0 alone writes; the other ranks then read what it made
-        if spec.force and out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-        source = resolve_model(spec.model, out)
-        recipe = spec.recipe.resolve(spec.task.name, source.config, place.device.type == "cuda")
-        _check_resume(out, _settings(spec, recipe, source.description))
-        (out / SEEDS_DIR).mkdir(exist_ok=True)
-
-    _main_first(place, prepare)
-    source = resolve_model(spec.model, out, convert=False)
-    recipe = spec.recipe.resolve(spec.task.name, source.config, place.device.type == "cuda")
+    # Every rank gets rank 0's resolution (or its error): the model it converted, the recipe it recorded.
+    source, recipe = distributed.on_rank0(lambda: _resolve(spec, place.device.type == "cuda"))
     settings = _settings(spec, recipe, source.description)
     tokenizer = read_tokenizer(source.hf_dir)
     task = spec.task

@@ -151,9 +151,9 @@ class TrainSection:
     seed: Annotated[int, Key("seed of the initial weights")] = 1234
     activation_checkpointing: Annotated[bool, Key("recompute activations in the backward (less memory)")] = False
     compile: Annotated[bool, Key("run the model through torch.compile (inductor, see compile_mode); off by "
-                                 "default: a start-up compile, for a few percent on CPU with the layers alone "
-                                 "and 1.5x with the whole step at the quickstart's tiny size "
-                                 "(benchmarks/RESULTS.md)")] = False
+                                 "default: a start-up compile, for little on CPU with the layers alone and "
+                                 "much more with the whole step at the quickstart's tiny size "
+                                 "(benchmarks/RESULTS.md#row-compile-layers-cpu, #row-compile-step-cpu)")] = False
     compile_mode: Annotated[Literal["layers", "step"], Key(
         "what train.compile compiles: layers = every encoder layer (masking, sampling and losses eager); step = "
         "the whole ELECTRA forward and its backward as one graph with no graph break (CUDA graphs: see "
@@ -161,8 +161,8 @@ class TrainSection:
     compile_layers_once: Annotated[bool, Key(
         "with train.compile_mode=step (ignored otherwise): compile one encoder layer per width and call it for "
         "every layer instead of unrolling them all into the step's graph: a much shorter first step on CPU "
-        "(benchmarks/compile_time.py), no fusion across a layer's edges; off: on an H200 it gave the unrolled "
-        "step's samples/s and no shorter compile (benchmarks/RESULTS.md)")] = False
+        "(benchmarks/compile_time.py), no fusion across a layer's edges; off: on a GPU it gave the unrolled "
+        "step's speed and no shorter compile (benchmarks/RESULTS.md#row-compile-layers-once)")] = False
     compile_autotune: Annotated[Literal[False, "kernels", "matmuls", True], Key(
         "with train.compile_mode=step (ignored otherwise), on GPUs: kernels = the block sizes of inductor's fused "
         "elementwise and reduction kernels tuned by timing them (the matmuls stay cuBLAS's); matmuls = each "

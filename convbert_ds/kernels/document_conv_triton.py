@@ -10,10 +10,9 @@ Backward, with ``g = dL/dout``::
     dw[c, k]      = sum_{b, t} g[b, t, c] * taps[b, t, k] * x[b, t + k - P, c]
 
 Why kernels of their own: in PyTorch the same sums are K shifted multiply-adds, each a full pass over
-``[B, T, C]`` in forward and two in backward (one for ``dx``, one reduction per tap for ``dw``). On an H200
-that took 2.97 ms per layer for ConvBERT-base at batch 128 x 128 (eager, forward and backward), where the
-bytes that must move (``x`` and ``out``, then ``g``, ``x`` and ``dx``, in fp32) take about 0.05 ms
-(``benchmarks/document_conv.py``). Here each element of ``x`` and ``g`` is read from device memory about
+``[B, T, C]`` in forward and two in backward (one for ``dx``, one reduction per tap for ``dw``): many times
+the time the bytes that must move (``x`` and ``out``, then ``g``, ``x`` and ``dx``, in fp32) need
+(benchmarks/RESULTS.md#row-document-conv-eager). Here each element of ``x`` and ``g`` is read from device memory about
 once; the K shifted windows are re-read from L1/L2.
 
 Block layout: a forward program owns ``BLOCK_T`` positions x ``BLOCK_C`` channels of one sample. A backward

@@ -60,15 +60,15 @@ def _configs() -> list[triton.Config]:
     # at BLOCK_D = 64: larger tiles spill registers on sm_90), and in a loop. For sm_90 (K = 9, the backward at
     # BLOCK_T 16 x 4 warps) the unrolled kernel takes 161 registers, 3 programs an SM, the loop 64 and 8 (read
     # from the cubins Triton's compiler builds, as tests/kernels/test_kernels_compile.py builds them). Unrolled,
-    # the backward moved its bytes at about 0.7 TB/s in the base step on an H200; which one is faster is the
-    # tuner's to time.
+    # the backward moved its bytes far below the GPU's memory bandwidth in the base step; which one is faster
+    # is the tuner's to time.
     return [triton.Config({"BLOCK_T": block_t, "UNROLL_TAPS": unrolled}, num_warps=warps)
             for block_t, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 8), (64, 16)) for unrolled in (True, False)]
 
 
 # T_TUNE is T rounded up to a power of two: tuning keyed on T itself re-benchmarks every config at each new
-# sequence length, and fine-tuning with per-batch padding meets dozens of lengths (seen on an H100: seconds
-# per new length). The kernels never read T_TUNE.
+# sequence length, and fine-tuning with per-batch padding meets dozens of lengths (seconds of tuning for each
+# new length). The kernels never read T_TUNE.
 _TUNE_KEY = ["T_TUNE", "HEAD_DIM", "KERNEL_SIZE"]
 
 

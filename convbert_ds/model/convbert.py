@@ -145,8 +145,8 @@ def vocabulary_logits(hidden_states: torch.Tensor, table: torch.Tensor, bias: to
     Why two ways: CUDA's ``addmm`` adds a bias in cuBLASLt's epilogue only into a contiguous output, and
     inductor (outside max-autotune) pads the row stride of an output this wide to 128 bytes (rows of 30,166
     bf16 logits are stored 30,208 apart). A compiled ``addmm`` then copies the bias, broadcast, into the whole
-    ``[rows, V]`` output and runs a GEMM that adds to it (on an H200: cuBLAS's ``badd`` kernel after a copy of
-    0.24 ms a step, benchmarks/RESULTS.md). A plain matmul writes the padded rows without a copy, and inductor
+    ``[rows, V]`` output and runs a GEMM that adds to it (cuBLAS's ``badd`` kernel after the copy:
+    benchmarks/RESULTS.md#row-generator-head-mm). A plain matmul writes the padded rows without a copy, and inductor
     fuses the add into the kernels that read the logits (the loss, the sample). Its pattern that folds an add
     on an ``mm`` back into ``addmm`` does not match the add on the ``[B, P, V]`` view the model's rows give.
     Eagerly the output is contiguous, the epilogue adds the bias, and an add of its own would be one more

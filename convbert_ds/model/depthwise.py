@@ -21,24 +21,22 @@ The same symmetry moves the shift in the weights' gradient from ``x`` to ``g``::
 So the torch path's backward reads ``x`` as it is and pads only ``g``; both gradients are gathers like the
 forward. Inductor then compiles the forward to one pass that reads ``x`` and writes ``out``, and keeps ``x``
 itself for the backward (see ``_DocumentDepthwiseConv``). Each tap's weights are read side by side across
-channels (``tap_major_weight``). Inductor's count, CPU, batch 8 x 128 x 768, forward and backward
-(``benchmarks/document_conv.py --compile``): 9.7 MB with a bf16 ``x`` (the paper configs' residual
-stream), against 18.1 MB when the backward kept a padded fp32 copy of ``x`` and read the weights with a
-stride of K, and 26.2 MB before that, when ``dx`` was scattered into a padded fp32 buffer. With an fp32
-``x``, 19.2 MB against 26.0.
+channels (``tap_major_weight``). Each of these cut the bytes inductor's kernels move, against a backward
+that kept a padded fp32 copy of ``x`` and read the weights with a stride of K, and before that scattered
+``dx`` into a padded fp32 buffer (benchmarks/RESULTS.md#row-document-conv-compiled).
 
 Why a function of its own: the obvious form, an unfold of ``x`` contracted with the taps (``einsum``), builds
 a K-times copy of ``x`` in forward and, in backward, a batched outer product ``[B*T, C, 1] x [B*T, 1, K]``
-that cuBLAS runs at a small fraction of its speed. On an H100 that path took about a third of a compiled
-ConvBERT-base step's device time (``benchmarks/RESULTS.md``, 2026-11-26). Here (``impl="torch"``, any
-device) forward and backward are K shifted multiply-adds into one buffer each, without the K-times copy;
-still a pass over ``x`` per tap (2.97 ms a layer eager on an H200, 2026-11-27), and 27 multiply-adds a layer
-for inductor to trace and schedule (the small preset's whole step took 39% longer to compile on CPU than
-with the einsum). ``impl="triton"`` runs Triton kernels instead
+that cuBLAS runs at a small fraction of its speed: that path was a large share of a compiled ConvBERT-base
+step's device time (benchmarks/RESULTS.md#row-document-conv-shifted). Here (``impl="torch"``, any device)
+forward and backward are K shifted multiply-adds into one buffer each, without the K-times copy; still a
+pass over ``x`` per tap (benchmarks/RESULTS.md#row-document-conv-eager), and 27 multiply-adds a layer for
+inductor to trace and schedule, a longer whole-step compile than the einsum's
+(benchmarks/RESULTS.md#row-document-conv-compile-time). ``impl="triton"`` runs Triton kernels instead
 (``convbert_ds.kernels.document_conv_triton``): one pass over ``x`` forward, one over ``x`` and the gradient
 backward, and inductor keeps them out of its graph as custom ops. ``"auto"`` picks them on CUDA once a probe
 has checked them there against this path, as for SDConv (``model/sdconv.py``), except under ``torch.compile``,
-where this path is faster (``benchmarks/document_conv.py --compile``); ``probe_document_conv`` runs that
+where this path is faster (benchmarks/RESULTS.md#row-document-conv-triton); ``probe_document_conv`` runs that
 probe eagerly, ahead of ``torch.compile`` or a CUDA-graph capture.
 """
 
@@ -141,8 +139,8 @@ def document_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, taps: torch.T
     chosen = resolve_impl(impl, x.device)
     if impl == "auto" and torch.compiler.is_compiling():
         # Traced, the torch path is the faster one: inductor fuses its shifted multiply-adds with their
-        # neighbours, while the Triton op is a fusion barrier (forward + backward at ConvBERT-base's shape on an
-        # H200 under torch.compile: 0.79 ms against 1.12 ms; eager the Triton kernels win, 0.75 against 2.97).
+        # neighbours, while the Triton op is a fusion barrier; eager, the Triton kernels win
+        # (benchmarks/RESULTS.md#row-document-conv-triton).
         chosen = "torch"
     if chosen == "triton" and impl == "auto":
         device, kernel_size = x.device, weight.shape[1]

@@ -333,13 +333,11 @@ def compile_layers(model: nn.Module, eager_random: bool = True, options: dict | 
 def cpu_wrapper(layers_once: bool = False) -> dict:
     """Inductor's C++ wrapper for what it compiles to C++ kernels (no GPU, its default CPU backend): a graph's
     kernels and the code that calls them go to g++ as one file, where the Python wrapper has g++ build each
-    kernel apart. Measured on 2 CPU cores (``benchmarks/RESULTS.md``, "Speed levers tried"): the tiny model's
-    step compiles in 29 s instead of 47 in one process, and a restart that loads the compile cache file takes
-    21 s instead of 40 (the file holds each graph's built library; the Python wrapper's kernels are built
-    again); two ranks on one machine compile with 16% less CPU but 5-10% longer (they no longer split g++'s
-    work between them), and the compiled quickstart step runs 4% faster. ``train.compile_options.cpp_wrapper=false``
-    turns it off. Not with ``layers_once``: torch 2.13's C++ wrapper cannot call a region compiled once
-    (``invoke_subgraph``)."""
+    kernel apart. On CPU a step compiles in much less time, a restart that loads the compile cache file even
+    more so (the file holds each graph's built library; the Python wrapper's kernels are built again), and
+    the compiled step runs no slower (benchmarks/RESULTS.md#row-cpp-wrapper).
+    ``train.compile_options.cpp_wrapper=false`` turns it off. Not with ``layers_once``: torch 2.13's C++
+    wrapper cannot call a region compiled once (``invoke_subgraph``)."""
     import torch._inductor.config as inductor_config
 
     if torch.cuda.is_available() or layers_once or inductor_config.cpu_backend != "cpp":
@@ -382,10 +380,10 @@ def compile_step(model: nn.Module, cuda_graphs: bool, layers_once: bool = False,
     anyway.
 
     ``autotune`` (Triton's kernels only: nothing changes on CPU): on a GPU the step's time is in its matmuls
-    and in the fused elementwise kernels around them (``benchmarks/RESULTS.md``, H200). ``"kernels"`` times
-    several block sizes for each fused elementwise and reduction kernel at its first call, then refines the
-    best by coordinate descent: those kernels move bytes, and the heuristic's block sizes ran the GELUs at
-    about 2.7-3 TB/s on the H200. ``"matmuls"`` times Triton matmul templates against cuBLAS instead, at
+    and in the fused elementwise kernels around them (benchmarks/RESULTS.md#row-base-paper-path). ``"kernels"``
+    times several block sizes for each fused elementwise and reduction kernel at its first call, then refines
+    the best by coordinate descent: those kernels move bytes, and the heuristic's block sizes left the GELUs
+    short of the GPU's memory bandwidth. ``"matmuls"`` times Triton matmul templates against cuBLAS instead, at
     compile time: a template can take the elementwise kernel after its matmul in as its epilogue (the FFN's
     GELU: its separate kernels read and write the 3,072-wide activation; an epilogue saves part of that).
     ``True``, inductor's max-autotune, does both: the most minutes of compiling.
@@ -413,8 +411,8 @@ class TrainingStepCompiled:
     """Stands in for ``model.forward`` after ``compile_step``: a training call (train mode, gradients on) runs
     the compiled step, any other call (evaluation: eval mode, no grad) the eager forward. Evaluation is a few
     forward-only batches every ``eval.interval`` steps; compiling its graph as well was a second compile at the
-    first evaluation of every run and resume (about a third of the step's own compile on CPU: 33 s against 78
-    for the tiny model's forward and backward), and on a GPU more graphs to capture and hold. Eager, it draws
+    first evaluation of every run and resume (a sizeable fraction of the step's own compile on CPU), and on a
+    GPU more graphs to capture and hold. Eager, it draws
     its masks from torch's generator, as a compiled evaluation did unless ``train.compile_random: inductor``,
     and computes the same figures to rounding."""
 

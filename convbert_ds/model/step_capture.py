@@ -11,8 +11,8 @@ Where the gradients go (``write_grads``):
 
 - ``True``: the backward graph writes each parameter's gradient into memory of its own, and that memory
   *is* ``param.grad``. Autograd then runs one node for the whole step and none per parameter: no
-  ``AccumulateGrad`` per tensor, which on an H100 took ConvBERT-base's step 568 node calls and 4.3 ms of
-  host time (profiled) to hand over gradients that were already in place. For layouts where ``.grad`` is
+  ``AccumulateGrad`` per tensor, whose node calls cost host time every step to hand over gradients that
+  were already in place (benchmarks/RESULTS.md#row-no-accumulate-grad). For layouts where ``.grad`` is
   what the optimizer reads (``plan.whole_fp32_grads``: ZeRO-0, fp32 weights, no fp16 loss scale). As
   autograd would, a backward writes the gradients where ``.grad`` is None (cleared after each optimizer
   step: DeepSpeed's ``zero_grad`` and torch's default do that) and, with ``accumulates`` (several

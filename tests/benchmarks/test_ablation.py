@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from convbert_ds.data.transfer_task import write_transfer_task
+from convbert_ds.builtin.docstring_summaries import write_transfer_task
 from launch import REPO, env, run_group
 
 

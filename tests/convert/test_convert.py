@@ -329,14 +329,14 @@ def test_a_failure_mid_write_leaves_no_model(runs, tmp_path):
     ckpt = open_checkpoint(runs["zero0"])
     weights, _ = read_state_dict(ckpt)
     broken = tmp_path / "tokenizer"
-    shutil.copytree(ckpt.state["tokenizer"]["dir"], broken)
+    shutil.copytree(ckpt.state.tokenizer["dir"], broken)
     (broken / "tokenizer.json").write_text("{not json")
     (broken / "tokenizer.model").unlink()
     facts = CardFacts(source="test", command="test")
     with pytest.raises(Exception):
         write_hf(tmp_path / "out", weights, ckpt.electra, broken, facts, verify=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer"]
-    write_hf(tmp_path / "out", weights, ckpt.electra, ckpt.state["tokenizer"]["dir"], facts)
+    write_hf(tmp_path / "out", weights, ckpt.electra, ckpt.state.tokenizer["dir"], facts)
     before = (tmp_path / "out" / "discriminator" / "model.safetensors").read_bytes()
     with pytest.raises(Exception):
         write_hf(tmp_path / "out", weights, ckpt.electra, broken, facts, verify=True, force=True)

@@ -6,6 +6,7 @@ import yaml
 from convbert_ds.config import ElectraConfig
 from convbert_ds.convert.model_card import CardFacts, model_card
 from convbert_ds.engine.metrics_log import MetricsLog
+from convbert_ds.formats.checkpoint.run_state import RunState
 from convbert_ds.formats.train_config import load_config
 from launch import TINY_CONFIG
 
@@ -13,8 +14,9 @@ from launch import TINY_CONFIG
 def _state(tiny_corpus, tmp_path, *overrides):
     cfg = load_config(TINY_CONFIG, [f"data.sets=[{{path: '{tiny_corpus['shards']}'}}]",
                                     f"log.dir={tmp_path / 'logs'}", *overrides])
-    return cfg, {"config": cfg.to_dict(), "step": 20, "tokens_seen": 20480, "phase": {"index": 1},
-                 "data_sets": [{"path": str(tiny_corpus["shards"]), "weight": 1.0}]}
+    return cfg, RunState.from_dict({"config": cfg.to_dict(), "step": 20, "tokens_seen": 20480, "phase": {"index": 1},
+                                    "data": {"consumed_samples": 320}, "electra_config": {},
+                                    "data_sets": [{"path": str(tiny_corpus["shards"]), "weight": 1.0}]}, "a test")
 
 
 def test_card_reports_the_last_validation_and_the_probe_at_the_checkpoints_step(tiny_corpus, tmp_path):

@@ -19,7 +19,7 @@ import torch
 from deepspeed import comm as dist
 
 from convbert_ds.config import ElectraConfig
-from convbert_ds.data.builtin_corpus import iter_documents
+from convbert_ds.builtin.stdlib_docstrings import iter_documents
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.engine.distributed import exit_process, init_process_group
 from convbert_ds.engine.pipeline import (

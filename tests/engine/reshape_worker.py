@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from convbert_ds.engine import distributed
 from convbert_ds.engine.plan import resolve
+from convbert_ds.engine.prepare import prepare
 from convbert_ds.formats.train_config import load_config
 from convbert_ds.engine.trainer import Preemption, Trainer
 from convbert_ds.engine.universal import gather_state
@@ -27,7 +28,7 @@ from convbert_ds.engine.universal import gather_state
 
 def main(out: Path, config: str, overrides: list[str]) -> None:
     distributed.discover()
-    plan = resolve(load_config(config, overrides), distributed.world_size())
+    plan = prepare(resolve(load_config(config, overrides), distributed.world_size()))
     distributed.init_process_group()
     trainer = Trainer(plan)
     trainer.setup()

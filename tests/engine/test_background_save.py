@@ -92,7 +92,7 @@ def test_a_checkpoint_saved_in_the_background_resumes_exactly(runs, tiny_corpus,
 @pytest.mark.slow
 def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tiny_corpus, tmp_path):
     crashed = run_training(tmp_path, tiny_corpus["shards"], *COMMON, BACKGROUND, launcher=NOT_THE_SUBJECT,
-                           extra_env={"CONVBERT_DS_KILL_DURING_SAVE_AT": "8"})
+                           faults={"kill_during_save": 8})
     assert crashed.returncode != 0
     ckpt = tmp_path / "checkpoints"
     assert (ckpt / tags.LATEST).read_text().strip() == TAG4
@@ -107,7 +107,7 @@ def test_a_failed_background_save_is_a_warning_and_training_goes_on(runs, tiny_c
     """ENOSPC on rank 1 after DeepSpeed's files (injected): both ranks learn it from the background save's own
     group, the step loop says it at its next wait, and the next save (the run's last) is complete."""
     output = check(run_training(tmp_path, tiny_corpus["shards"], *COMMON, BACKGROUND, launcher=NOT_THE_SUBJECT,
-                                extra_env={"CONVBERT_DS_FAIL_SAVE_AT": "8"}))
+                                faults={"fail_save": 8}))
     ckpt = tmp_path / "checkpoints"
     warning = next(line for line in output.splitlines() if line.startswith("warning: checkpoint"))
     assert warning.startswith(f"warning: checkpoint {TAG8} not saved in {ckpt}: rank 1: [Errno 28]"), warning

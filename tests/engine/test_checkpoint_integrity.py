@@ -135,7 +135,7 @@ def failed_save_run(tiny_corpus, tmp_path_factory):
     ``deepspeed`` users see of a refused checkpoint and of a failed final save is tested under it, below."""
     run_dir = tmp_path_factory.mktemp("failed_save")
     output = check(run_training(run_dir, tiny_corpus["shards"], *COMMON, launcher=NOT_THE_SUBJECT,
-                                extra_env={"CONVBERT_DS_FAIL_SAVE_AT": "4"}))
+                                faults={"fail_save": 4}))
     return run_dir, output
 
 
@@ -234,7 +234,7 @@ def _final_line(output: str) -> str:
 @pytest.mark.slow
 def test_failed_final_save_exits_non_zero_and_says_what_is_lost(tiny_corpus, tmp_path):
     result = run_training(tmp_path, tiny_corpus["shards"], *COMMON, "train.steps=4",
-                          extra_env={"CONVBERT_DS_FAIL_SAVE_AT": "4"})
+                          faults={"fail_save": 4})
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "done:" not in output
     ckpt = tmp_path / "checkpoints"

@@ -19,7 +19,7 @@ def test_a_damaged_file_is_a_warning_then_written_anew(tmp_path, capsys):
     path = tmp_path / "cache" / "torch-x-cpu-stage0-0.bin"
     path.parent.mkdir()
     path.write_bytes(b"not what torch wrote" * 100)
-    cache = CompileCache(path, writes=True, announce=True)
+    cache = CompileCache(path, writes=True)
     cache.load()
     said = capsys.readouterr().out
     assert f"warning: train.compile_cache: {path} is damaged" in said and "the first step compiles" in said
@@ -38,7 +38,7 @@ def test_an_unwritable_directory_is_a_warning(tmp_path, capsys):
     blocker.write_text("a file where the cache directory would go")
     path = cache_file(blocker, {"any": "settings"}, stage=1)
     assert path.name.startswith(f"torch-{torch.__version__.replace('+', '_')}-cpu_") and "-stage1-" in path.name
-    cache = CompileCache(path, writes=True, announce=True)
+    cache = CompileCache(path, writes=True)
     cache.load()  # nothing there: silent, and the first step compiles
     _compile_something()
     cache.after_step()

@@ -110,7 +110,7 @@ def test_killed_conversion_is_redone(tiny_corpus, tmp_path):
     shards, common = tiny_corpus["shards"], (ZERO2, *SHORT, "checkpoint.interval=2")
     check(run_training(tmp_path, shards, *common, "train.steps=2", launcher=NOT_THE_SUBJECT))
     killed = run_training(tmp_path, shards, *common, "train.steps=4", nproc=1, launcher=NOT_THE_SUBJECT,
-                          extra_env={"CONVBERT_DS_KILL_DURING_CONVERSION": "1"})
+                          faults={"kill_during_conversion": True})
     assert killed.returncode != 0
     tag = tmp_path / "checkpoints" / "step00000002"
     assert not (tag / UNIVERSAL).exists() and list(tag.glob(f".{UNIVERSAL}.tmp-*"))

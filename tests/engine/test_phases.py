@@ -78,7 +78,7 @@ def test_phase_2_begins_with_phase_1s_weights(phase1, tiny_corpus, tmp_path):
 
 def test_kill_inside_phase_2_resumes_phase_2_bit_for_bit(phase1, straight, tiny_corpus, tmp_path):
     straight, killed = straight[0], tmp_path / "killed"
-    crashed = _phase2(killed, tiny_corpus, phase1, extra_env={"CONVBERT_DS_KILL_DURING_SAVE_AT": "8"})
+    crashed = _phase2(killed, tiny_corpus, phase1, faults={"kill_during_save": 8})
     assert crashed.returncode != 0
     assert (killed / "checkpoints" / "latest").read_text().strip() == "step00000004"
     output = check(_phase2(killed, tiny_corpus, phase1))

@@ -54,7 +54,7 @@ def test_two_ranks_train_from_the_store_as_from_disk_and_resume_exactly_after_ki
         _upload(server, tiny_corpus["shards"])
         cache = f"data.cache_dir={tmp_path / 'cache'}"
         crashed = run_training(tmp_path, URL, *COMMON, cache, launcher=NOT_THE_SUBJECT,
-                               extra_env={**server.env, "CONVBERT_DS_KILL_DURING_SAVE_AT": "8"})
+                               extra_env=server.env, faults={"kill_during_save": 8})
         assert crashed.returncode != 0 and "saving checkpoint" in crashed.stdout, crashed.stderr[-3000:]
         _assert_same_steps(local_run, tmp_path, range(1, 9))
         server.pause()
@@ -93,7 +93,7 @@ def test_a_run_on_an_emptied_disk_resumes_exactly_from_the_checkpoints_in_the_st
     s3_server.client().create_bucket(Bucket="checkpoints")
     mirror = f"checkpoint.mirror={MIRROR}"
     crashed = run_training(tmp_path, tiny_corpus["shards"], *COMMON, mirror, launcher=NOT_THE_SUBJECT,
-                           extra_env={**s3_server.env, "CONVBERT_DS_KILL_DURING_SAVE_AT": "8"})
+                           extra_env=s3_server.env, faults={"kill_during_save": 8})
     assert crashed.returncode != 0 and f"uploaded checkpoint step00000004 to {MIRROR}" in crashed.stdout, \
         crashed.stderr[-3000:]
     assert _store_tags(s3_server) == (["step00000004"], "step00000004")  # step 8's upload never began

@@ -103,7 +103,7 @@ def test_exact_resume_is_bitwise(tiny_corpus, tmp_path):
 def test_kill_during_save_resumes_from_previous_checkpoint(tiny_corpus, tmp_path):
     common = ("train.steps=12", "train.warmup_steps=3", "eval.interval=0", "checkpoint.interval=4")
     crashed = run_training(tmp_path, tiny_corpus["shards"], *common,
-                           extra_env={"CONVBERT_DS_KILL_DURING_SAVE_AT": "8"})
+                           faults={"kill_during_save": 8})
     assert crashed.returncode != 0
     ckpt = tmp_path / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step00000004"

@@ -13,7 +13,7 @@ import random
 import re
 from pathlib import Path
 
-from convbert_ds.data.qa_task import cloze
+from convbert_ds.builtin.docstring_questions import cloze
 
 
 def _clozes(context: str, sentences: list[str], rng: random.Random, per_context: int) -> list[tuple[str, str, int]]:

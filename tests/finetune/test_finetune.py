@@ -18,7 +18,7 @@ import torch
 from convbert_ds.config import ElectraConfig
 from convbert_ds.convert import export_model
 from convbert_ds.finetune.__main__ import main as finetune_main
-from convbert_ds.finetune.loop import build_optimizer
+from convbert_ds.finetune.loop import Placement, build_optimizer, load_state, save_state
 from convbert_ds.finetune.model_source import initial_model, resolve_model
 from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.model import ConvBertForSequenceClassification, ElectraForPretraining
@@ -105,6 +105,48 @@ def test_random_init_differs_from_pretrained_only_in_the_body_weights(hf_model):
     after_pretrained = torch.rand(4)
     initial_model(source, _two_labels, 0.1, seed=3, random_init=True)
     assert torch.equal(after_pretrained, torch.rand(4))
+
+
+def test_resume_state_round_trips_through_the_allow_list(hf_model, tmp_path):
+    """What save_state writes, load_state reads weights-only (formats/safe_pickle.py): model, optimizer
+    moments, RNG streams, step and history all come back."""
+    source = resolve_model(hf_model, hf_model.parent)
+    model = initial_model(source, _two_labels, 0.1, seed=3, random_init=False)
+    optimizer = build_optimizer(model, Recipe(learning_rate=1e-3))
+    ids = torch.ones((2, 6), dtype=torch.long)
+    model(ids, torch.ones_like(ids), torch.zeros_like(ids)).sum().backward()
+    optimizer.step()  # the state now holds AdamW's moments and step counts
+    history = [{"epoch": 1, "step": 5, "metrics": {"validation": {"accuracy": 0.5}}}]
+    save_state(tmp_path, 5, model, optimizer, history, Placement(torch.device("cpu")))
+    expected_draw = torch.rand(3)
+    fresh = initial_model(source, _two_labels, 0.1, seed=4, random_init=True)
+    fresh_optimizer = build_optimizer(fresh, Recipe(learning_rate=1e-3))
+    assert load_state(tmp_path, 0, fresh, fresh_optimizer) == (5, history)
+    assert torch.equal(torch.rand(3), expected_draw)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    assert str(fresh_optimizer.state_dict()) == str(optimizer.state_dict())
+
+
+class _MakesADirectory:
+    """A pickle that runs os.mkdir when loaded with full pickle: what a crafted state file could do."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
+
+
+def test_a_state_file_asking_to_run_code_is_refused_in_one_line(hf_model, task, tmp_path, capsys):
+    out, witness = tmp_path / "run", tmp_path / "ran"
+    state_file = out / "state" / "seed0" / "state.pt"
+    state_file.parent.mkdir(parents=True)
+    torch.save({"step": 1, "model": _MakesADirectory(witness)}, state_file)
+    assert finetune_main(_args(hf_model, task, out, "--max-train-examples", "16")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the datasets library's progress lines
+    assert err.startswith("finetune error: seed 0 cannot resume: "), err
+    assert str(state_file) in err and "mkdir" in err and f"delete {state_file.parent} to restart" in err, err
+    assert not witness.exists()
 
 
 def _transformers_metric(best: Path, dev: Path) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from convbert_ds.data.builtin_corpus import write_corpus
+from convbert_ds.builtin.stdlib_docstrings import write_corpus
 from preprocessing.shard import shard_corpus
 from preprocessing.tokenizer import train_tokenizer
 from shard_factory import read_text_documents

@@ -172,14 +172,15 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_manifest(layout, chunks_per_b
     assert len(clean["splits"]["train"]["shards"]) > 20
 
     out = tmp_path / "crashed"
-    cmd = [sys.executable, "-m", "preprocessing.shard", *args, "--out", str(out), "--workers", "2",
-           "--checkpoint-every", str(checkpoint_every), "--no-progress"]
+    shard_args = [*args, "--out", str(out), "--workers", "2", "--checkpoint-every", str(checkpoint_every),
+                  "--no-progress"]
+    cmd = [sys.executable, "-m", "preprocessing.shard", *shard_args]
     kept, inside_a_task = None, []
     for stop_after in (10 * chunks_per_block, 30 * chunks_per_block):  # crash twice, at different points
         # The process SIGKILLs itself right after the first checkpoint that records this many input chunks
-        # as done (a test-only hook in preprocessing.shard).
-        env = {**os.environ, "CONVBERT_DS_TEST_STOP_AFTER_UNITS": str(stop_after)}
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+        # as done (preprocessing.shard's after_checkpoint hook, set by shard_killed_at.py).
+        killed_at = [sys.executable, str(Path(__file__).with_name("shard_killed_at.py")), str(stop_after), *shard_args]
+        proc = subprocess.Popen(killed_at, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
         try:
             _, stderr = proc.communicate(timeout=300)

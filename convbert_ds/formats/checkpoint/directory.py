@@ -5,7 +5,8 @@ Layout of ``checkpoint.dir``::
     latest                      name of the newest *complete* tag (written last, atomically)
     step00001000/               DeepSpeed's files (model/optimizer states, ZeRO shards or
                                 pipeline layer files) + ours:
-        trainer_state.json      step, sampler state, config, data manifests' references
+        trainer_state.json      step, sampler state, config, data manifests' references: the
+                                format and its only reader are ``run_state``
         rng_rank00000.pt ...    every rank's RNG states (CPU, CUDA, numpy, random): tensors and plain
                                 python values only, so ``torch.load(weights_only=True)`` reads them
         COMPLETE                written by rank 0 after every rank finished saving (below)
@@ -47,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from convbert_ds.errors import UserError
-from convbert_ds.fsutil import file_sha256, read_json, write_text_atomically
+from convbert_ds.fsutil import file_sha256, write_text_atomically
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -57,7 +58,7 @@ MANIFEST_FORMAT = 1
 VERIFY_MODES = ("size", "checksum")
 HASH_THREADS = 8  # hashlib releases the GIL: threads hash files side by side (and overlap network reads)
 _TAG = re.compile(r"^step(\d{8,})$")
-_DAMAGED_TAG = "the tag is damaged: use an older one (the converter's --tag, or its name in checkpoint.dir/latest)"
+DAMAGED_TAG = "the tag is damaged: use an older one (the converter's --tag, or its name in checkpoint.dir/latest)"
 
 
 class CheckpointError(UserError):
@@ -210,12 +211,3 @@ def choose_resume_tag(directory: Path, verify_mode: str) -> str | None:
         raise CheckpointError(f"no intact checkpoint in {directory}: " + "; ".join(f"{t}: {w}" for t, w in damaged)
                               + "; move the damaged tags out of the directory to start from step 0")
     return None
-
-
-def read_trainer_state(tag_dir: Path) -> dict:
-    """A tag's ``trainer_state.json``: step, sampler state, config, layout, tokenizer."""
-    path = tag_dir / TRAINER_STATE
-    state = read_json(path, CheckpointError, _DAMAGED_TAG)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: a JSON {type(state).__name__}, not the trainer's state object; {_DAMAGED_TAG}")
-    return state

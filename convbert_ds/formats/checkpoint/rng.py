@@ -30,8 +30,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore ``rng_state()``; the older layout (numpy/random tuples, pickled) is still accepted here
-    for callers that load it with full pickle (fine-tuning's own state files)."""
+    """Restore ``rng_state()``; the older layout (numpy/random tuples, as older checkpoints pickled them)
+    is still accepted."""
     numpy_state, python_state = state["numpy"], state["python"]
     if isinstance(numpy_state, dict):
         numpy_state = ("MT19937", numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],

@@ -25,9 +25,8 @@ Safetensors hold no pickle: reading them executes nothing. DeepSpeed's own files
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from safetensors.torch import save_file
 from convbert_ds.config import ConfigError, ElectraConfig
 from convbert_ds.formats.checkpoint.directory import UNIVERSAL
 from convbert_ds.formats.checkpoint.names import canonical_names, meta_model, pipeline_to_plain
+from convbert_ds.formats.checkpoint.run_state import RunState
 from convbert_ds.formats.safe_pickle import safe_load
 from convbert_ds.fsutil import write_dir_atomically, write_json_atomically
 from convbert_ds.model.optim import param_groups
@@ -44,6 +44,9 @@ from convbert_ds.model.optim import param_groups
 META = "universal.json"
 QUANTITIES = ("fp32", "exp_avg", "exp_avg_sq")
 FORMAT = 1
+# Called with each quantity once its file is in the temporary directory: where a test's fault injection
+# (tests/faulty_train.py) dies half-way through a conversion. None in every real run.
+after_quantity_written: Callable[[str], None] | None = None
 
 
 class ReshapeError(ConfigError):
@@ -60,10 +63,9 @@ class Layout:
     precision: str  # what the weights are stored in: fp32 under torch autocast, whatever the compute runs in
 
     @classmethod
-    def of_checkpoint(cls, state: dict) -> Layout:
+    def of_checkpoint(cls, state: RunState) -> Layout:
         """The layout a checkpoint's ``trainer_state.json`` records."""
-        return cls(int(state.get("world_size", 1)), int(state.get("zero_stage", 0)),
-                   int(state.get("pipeline_stages", 1)), state.get("precision", "fp32"))
+        return cls(state.world_size, state.zero_stage, state.pipeline_stages, state.precision)
 
     def __str__(self) -> str:
         pipeline = f"{self.pipeline_stages} pipeline stages, " if self.pipeline_stages > 1 else ""
@@ -229,8 +231,8 @@ def convert(tag_dir: Path, layout: Layout, electra: ElectraConfig) -> Path:
     def fill(tmp: Path) -> None:
         for quantity in QUANTITIES:
             save_file(read_quantity(tag_dir, layout, electra, quantity), str(tmp / f"{quantity}.safetensors"))
-            if os.environ.get("CONVBERT_DS_KILL_DURING_CONVERSION"):  # crash tests: die half-way
-                os.kill(os.getpid(), signal.SIGKILL)
+            if after_quantity_written is not None:
+                after_quantity_written(quantity)
         write_json_atomically(tmp / META, meta)  # last: its presence marks a whole conversion
 
     return write_dir_atomically(target, fill)

@@ -1,4 +1,4 @@
-"""The out-of-domain task (convbert_ds/data/cloud_docs_task.py) and the corpus it is held out of."""
+"""The out-of-domain task (convbert_ds/builtin/aws_api_passages.py) and the corpus it is held out of."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from convbert_ds.data import cloud_docs_task as cdt
-from convbert_ds.data import transfer_task as tt
-from convbert_ds.data.labelled_task import dedup_key
+from convbert_ds.builtin import aws_api_passages as cdt
+from convbert_ds.builtin import docstring_summaries as tt
+from convbert_ds.builtin.labelled_splits import dedup_key
 
 
 def _read(path: Path) -> list[dict[str, str]]:

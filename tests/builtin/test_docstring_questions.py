@@ -1,10 +1,10 @@
-"""The built-in QA task (``python -m convbert_ds.data.qa_task``): SQuAD's layout over the transfer task's
-held-out summaries, every answer a real span at its offset, the splits sharing no text, the same files on every
-run."""
+"""The built-in QA task (``python -m convbert_ds.builtin.docstring_questions``): SQuAD's layout over the
+transfer task's held-out summaries, every answer a real span at its offset, the splits sharing no text, the same
+files on every run."""
 
 import json
 
-from convbert_ds.data.qa_task import main, write_qa_task
+from convbert_ds.builtin.docstring_questions import main, write_qa_task
 from convbert_ds.finetune.squad import read_squad
 
 

@@ -1,13 +1,13 @@
 """A held-out extractive QA task in SQuAD's format, built from the same text as the transfer task.
 
-The text is the transfer task's (``transfer_task.py``): summaries of the docstrings of seven pinned packages
-that the pretraining corpus leaves out. A context is three summaries joined; each question is one of its
+The text is the transfer task's (``docstring_summaries.py``): summaries of the docstrings of seven pinned
+packages that the pretraining corpus leaves out. A context is three summaries joined; each question is one of its
 summaries with a word (five letters or more, found once in the context) replaced by "what", and the answer is
 that word at its offset: a real span of real prose, found by matching the question against the context.
 The validation split is built from the transfer task's validation summaries and the training split from its
 training ones, so the two share no text.
 
-    python -m convbert_ds.data.qa_task --out runs/qa     # train.json, validation.json (SQuAD v1.1 layout)
+    python -m convbert_ds.builtin.docstring_questions --out runs/qa   # train.json, validation.json (SQuAD v1.1)
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from convbert_ds.builtin.docstring_summaries import write_transfer_task
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
-from convbert_ds.data.transfer_task import write_transfer_task
 from convbert_ds.fsutil import write_text_atomically
 
 SUMMARIES_PER_CONTEXT = 3

@@ -1,4 +1,4 @@
-"""The downstream task and the pretraining corpus it is held out of (convbert_ds/data/transfer_task.py)."""
+"""The downstream task and the pretraining corpus it is held out of (convbert_ds/builtin/docstring_summaries.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from convbert_ds.data import transfer_task as tt
-from convbert_ds.data.labelled_task import dedup_key
+from convbert_ds.builtin import docstring_summaries as tt
+from convbert_ds.builtin.labelled_splits import dedup_key
 
 
 def _read(path: Path) -> list[dict[str, str]]:
@@ -86,7 +86,7 @@ def test_definitions_found_without_walking_expressions_are_ast_walks():
     definitions nested in every kind of statement and on real files."""
     import ast
 
-    from convbert_ds.data.builtin_corpus import _DEFINITIONS, _statements, _stdlib_files
+    from convbert_ds.builtin.stdlib_docstrings import _DEFINITIONS, _statements, _stdlib_files
 
     nested = '''
 """module"""

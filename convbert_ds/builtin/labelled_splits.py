@@ -1,6 +1,6 @@
 """A labelled text task written as files: balanced, disjoint train and validation splits of a pool of examples.
 
-Shared by the built-in tasks (``transfer_task``, ``cloud_docs_task``): each builds a pool (label -> its
+Shared by the built-in tasks (``docstring_summaries``, ``aws_api_passages``): each builds a pool (label -> its
 examples, deduplicated, in a fixed order) and writes it here, so that every task's files have one layout,
 ``train.jsonl`` and ``validation.jsonl`` with a ``text`` and a ``label`` a line, which
 ``python -m convbert_ds.finetune --text-column text --label-column label`` reads.

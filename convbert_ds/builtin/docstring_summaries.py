@@ -2,7 +2,7 @@
 
 To show that pretraining helps downstream we need two things that must not
 overlap: a pretraining corpus of real English prose larger than the standard
-library's docstrings (``builtin_corpus``), and a labelled classification task
+library's docstrings (``stdlib_docstrings``), and a labelled classification task
 whose text the pretrained model has never seen. Both are built at run time from
 files that every installation of this project has (the standard library and the
 packages installed with the project), so nothing third-party is committed.
@@ -11,9 +11,10 @@ Task: given the summary (first paragraph) of a function's or class's docstring,
 say which library it documents. The labels are seven pinned packages, each a
 distinct domain (arrays, plotting, testing, training dashboards, dataset
 processing and two kinds of distributed training), close enough that word
-counts alone get only part of the way (a bag-of-words classifier reaches about
-73 %); the pins make the task the same on every installation. Summaries that
-name any of the libraries are dropped, so a label cannot be read off its name.
+counts alone get only part of the way (a bag-of-words classifier:
+benchmarks/RESULTS.md#pretraining-transfer); the pins make the task the same on
+every installation. Summaries that name any of the libraries are dropped, so a
+label cannot be read off its name.
 
 Corpus: the prose paragraphs of every docstring of the standard library and of
 the other packages beside the project, the language reference topics CPython
@@ -23,7 +24,7 @@ removed. The task is kept out twice over: its packages and their READMEs are
 not read (``TASK_EXCLUDED_NAMES``), and a paragraph containing a run of
 ``SHINGLE_WORDS`` words of any summary in those packages (all of a shorter
 summary) is dropped, which catches docstrings other packages copied from them. The
-same filter keeps out the passages of the out-of-domain task (``cloud_docs_task``).
+same filter keeps out the passages of the out-of-domain task (``aws_api_passages``).
 
 Files are parsed (``ast``) or read, never imported, in sorted order, so both
 outputs are the same on every run of the same installation.
@@ -43,10 +44,10 @@ from collections.abc import Collection, Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
 
-from convbert_ds.data.builtin_corpus import _DEFINITIONS, _docstrings, _prose_paragraphs, _stdlib_files
+from convbert_ds.builtin.aws_api_passages import task_pool as cloud_docs_pool
+from convbert_ds.builtin.labelled_splits import unambiguous_pool, write_balanced_task
+from convbert_ds.builtin.stdlib_docstrings import _DEFINITIONS, _docstrings, _prose_paragraphs, _stdlib_files
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
-from convbert_ds.data.cloud_docs_task import task_pool as cloud_docs_pool
-from convbert_ds.data.labelled_task import unambiguous_pool, write_balanced_task
 from convbert_ds.fsutil import write_text_atomically
 
 # label -> (what the library is for, its top-level names in site-packages).
@@ -189,7 +190,7 @@ def _shingles(text: str) -> set[tuple[str, ...]]:
 @lru_cache(maxsize=4)
 def excluded_shingles(exclude: frozenset[str]) -> frozenset[tuple[str, ...]]:
     """Shingles of every summary in the excluded packages (a superset of the task's, whatever the seed) and of
-    every passage of the out-of-domain task (``cloud_docs_task``), which the corpus must not hold either."""
+    every passage of the out-of-domain task (``aws_api_passages``), which the corpus must not hold either."""
     held_out = [text for name in sorted(exclude) for text in _summaries(name)]
     held_out += [text for texts in cloud_docs_pool().values() for text in texts]
     return frozenset(s for text in held_out for s in _shingles(text))
@@ -282,7 +283,7 @@ def iter_pretraining_documents(max_bytes: int | None = None,
 
 def write_pretraining_corpus(out: str | os.PathLike, max_bytes: int | None = None,
                              exclude: Collection[str] = TASK_EXCLUDED_NAMES) -> Path:
-    """Write the corpus in ``builtin_corpus``'s format (a temporary name, then renamed)."""
+    """Write the corpus in ``stdlib_docstrings``'s format (a temporary name, then renamed)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(out, "".join("\n".join(paragraphs) + "\n\n"

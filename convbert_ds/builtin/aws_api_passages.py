@@ -11,7 +11,7 @@ read off a name, and so is a passage found under two labels.
 It is the same broad genre as the corpus (reference documentation), so a margin here is evidence of transfer
 across domains of technical English, not to news, reviews or conversation.
 
-    python -m convbert_ds.data.cloud_docs_task --out runs/cloud_docs   # train.jsonl, validation.jsonl
+    python -m convbert_ds.builtin.aws_api_passages --out runs/cloud_docs   # train.jsonl, validation.jsonl
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+from convbert_ds.builtin.labelled_splits import unambiguous_pool, write_balanced_task
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
-from convbert_ds.data.labelled_task import unambiguous_pool, write_balanced_task
 
 # label -> (what the service is for, its folder in botocore/data)
 SERVICES: dict[str, tuple[str, str]] = {

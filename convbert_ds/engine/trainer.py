@@ -35,7 +35,7 @@ from convbert_ds.engine.train_step import TrainStep
 from convbert_ds.formats.checkpoint.run_state import RunState
 from convbert_ds.formats.init_dir import load_init_weights
 from convbert_ds.formats.train_config import DownstreamSection
-from convbert_ds.log import get_logger
+from convbert_ds.log import get_logger, rank as log_rank
 from convbert_ds.model import ElectraForPretraining
 from convbert_ds.model.layers import compile_layers, compile_step, probe_triton_kernels
 from convbert_ds.model.optim import param_groups
@@ -145,8 +145,9 @@ class Trainer:
                          pin_memory=self.engine.device.type == "cuda")
         train = loader("train", num_workers=data.num_workers)
         run_samples = cfg.train.steps * cfg.train.global_batch_size
-        log.info(f"data: {run_samples:,} samples over the run ({cfg.train.steps:,} steps x "
-                 f"{cfg.train.global_batch_size}):\n  " + "\n  ".join(describe_blend(train.dataset, run_samples)))
+        if log_rank() == 0:  # describe_blend reads every sample index: the one rank that prints it pays for it
+            log.info(f"data: {run_samples:,} samples over the run ({cfg.train.steps:,} steps x "
+                     f"{cfg.train.global_batch_size}):\n  " + "\n  ".join(describe_blend(train.dataset, run_samples)))
         evaluates = self.plan.has_valid and cfg.eval.samples > 0 and cfg.eval.interval > 0
         return train, loader("valid", max_samples=cfg.eval.samples) if evaluates else None
 

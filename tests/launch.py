@@ -87,7 +87,7 @@ def _zygote_socket() -> str:
 
 def run_group(command: list[str], timeout: float, on_line=None, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run with the whole process group killed on timeout; ``on_line(line)`` sees each line of
-    stdout as it comes (to act at a point of the run).
+    stdout and of stderr as it comes (to act at a point of the run), one line at a time.
 
     A launcher's ranks are its grandchildren: killing only the launcher (what subprocess.run does) leaves
     ranks blocked in a collective, holding cores and memory, and every later test then runs slower.
@@ -101,13 +101,15 @@ def run_group(command: list[str], timeout: float, on_line=None, **kwargs) -> sub
     def communicate() -> tuple[str, str]:
         if on_line is None:
             return process.communicate(timeout=timeout)
-        lines, errors = [], []
+        lines, errors, one_at_a_time = [], [], threading.Lock()
 
-        def watch() -> None:
-            for line in process.stdout:
-                lines.append(line)
-                on_line(line)
-        threads = [threading.Thread(target=watch), threading.Thread(target=lambda: errors.append(process.stderr.read()))]
+        def watch(stream, kept: list[str]) -> None:
+            for line in stream:
+                kept.append(line)
+                with one_at_a_time:
+                    on_line(line)
+        threads = [threading.Thread(target=watch, args=(process.stdout, lines)),
+                   threading.Thread(target=watch, args=(process.stderr, errors))]
         for thread in threads:
             thread.start()
         try:

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print(f"config valid for {world_size} processes: precision={plan.precision} zero_stage={plan.zero_stage} "
               f"pipeline_stages={cfg.pipeline.stages} grad_accum={plan.grad_accum} compile={compiled} {graphs}")
-        print(f"checkpoint_dir={cfg.checkpoint.dir}")  # the line the Slurm scripts read
+        print(f"checkpoint_dir={cfg.checkpoint.dir}")  # the lines the Slurm scripts read
+        print(f"checkpoint_mirror={cfg.checkpoint.mirror or ''}")
     if args.print_config or args.check_config:
         restore()
         return 0
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error(f"error: {error}")
         return EXIT_USER_ERROR
     if code == 0:
-        log.info(f"done: {trainer.step} steps; checkpoints in {trainer.ckpt_dir}; logs in {cfg.log_dir}")
+        where = trainer.ckpt_dir if trainer.disk.shared else cfg.checkpoint.mirror  # node-local: whole only there
+        log.info(f"done: {trainer.step} steps; checkpoints in {where}; logs in {cfg.log_dir}")
     dist.barrier()
     dist.destroy_process_group()
     return code

@@ -4,6 +4,7 @@
 # cbd_start NAME CONFIG [key=value ...]   environment, launch prefix, per-job log directory, rendezvous address
 # cbd_check_config WORLD_SIZE             the trainer's own validation, before any rank starts
 # cbd_check_nodes PROCS_PER_NODE          every node: processes vs GPUs, checkpoint dir writable + shared
+#                                         (or node-local, with checkpoint.mirror set)
 # cbd_run COMMAND...                      run the training step; SIGUSR1/SIGTERM reach it as SIGUSR1
 # cbd_gpus_on_node                        GPUs on this node (Slurm's allocation, else nvidia-smi)
 # cbd_finish                              exit, or requeue the job when the trainer was preempted
@@ -127,7 +128,8 @@ cbd_check_config() {
   out=$("${CBD_PREFIX[@]}" python -m convbert_ds.train --config "$CBD_CONFIG" "${CBD_OVERRIDES[@]}" --check-config --world-size "$world") ||
     cbd_die "$CBD_CONFIG with ${CBD_OVERRIDES[*]:-no overrides} is not valid (above); nothing was started"
   CBD_CKPT_DIR=$(sed -n 's/^checkpoint_dir=//p' <<<"$out" | tail -n 1)
-  cbd_log "config $CBD_CONFIG valid for $world processes; checkpoints in $CBD_CKPT_DIR"
+  CBD_CKPT_MIRROR=$(sed -n 's/^checkpoint_mirror=//p' <<<"$out" | tail -n 1)
+  cbd_log "config $CBD_CONFIG valid for $world processes; checkpoints in $CBD_CKPT_DIR${CBD_CKPT_MIRROR:+ and $CBD_CKPT_MIRROR}"
 }
 
 # GPUs on this node: Slurm's allocation, else what nvidia-smi lists, else 0.
@@ -161,6 +163,9 @@ cbd_node_check() {
 
 cbd_check_nodes() {
   local procs=$1 nodes=${SLURM_JOB_NUM_NODES:-1} probe missing host waited=0
+  local patience=${CONVBERT_DS_SHARED_DISK_WAIT:-30}
+  # With a mirror, node-local disks are allowed: a file missing after 5 s means node-local, not lag.
+  [ -z "${CBD_CKPT_MIRROR:-}" ] || [ "$patience" -le 5 ] || patience=5
   probe="$CBD_CKPT_DIR/.node-check-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
   srun --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=1 \
     "${CBD_PREFIX[@]}" bash -c 'source "$1" && cbd_node_check "$2" "$3"' _ "$CBD_LIB" "$procs" "$probe" \
@@ -171,13 +176,20 @@ cbd_check_nodes() {
     for host in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
       [ -e "$probe/$host" ] || missing="$missing $host"
     done
-    [ -z "$missing" ] || [ "$waited" -ge 30 ] && break
+    [ -z "$missing" ] || [ "$waited" -ge "$patience" ] && break
     sleep 1  # network filesystems may show other nodes' files a little late
     waited=$((waited + 1))
   done
   rm -rf "$probe"
+  if [ -n "$missing" ] && [ -n "${CBD_CKPT_MIRROR:-}" ]; then
+    # Node-local disks: each node uploads its own part of a checkpoint to the mirror (the trainer says so).
+    cbd_log "nodes ok: $nodes node(s) x $procs process(es); $CBD_CKPT_DIR writable on each node, node-local" \
+      "(not shared with$missing): checkpoints are whole in $CBD_CKPT_MIRROR"
+    return
+  fi
   [ -z "$missing" ] || cbd_die "checkpoint directory $CBD_CKPT_DIR is not shared: files written there on" \
-    "node(s)$missing are not visible on $(hostname -s); put checkpoint.dir on a filesystem all nodes mount"
+    "node(s)$missing are not visible on $(hostname -s); put checkpoint.dir on a filesystem all nodes mount," \
+    "or set checkpoint.mirror=s3://BUCKET/PREFIX so that every node uploads its own part of each checkpoint"
   cbd_log "nodes ok: $nodes node(s) x $procs process(es); $CBD_CKPT_DIR writable and shared"
 }
 

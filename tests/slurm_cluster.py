@@ -1,10 +1,18 @@
-"""A real one-node Slurm cluster on loopback, private to one test session.
+"""A real Slurm cluster of several nodes on one machine's loopback, private to one test session.
 
-``slurmctld`` and ``slurmd`` (Debian's ``slurm-wlm``, installed with apt when missing) run in
+``slurmctld`` and one ``slurmd`` per node (Debian's ``slurm-wlm``, installed with apt when missing) run in
 the foreground as children of this process, with their config, state, spool and logs under one
 directory and ports nobody else uses. No systemd and no munge: ``auth/none``, ``cred/none``,
 ``proctrack/linuxproc``, ``task/none``. Clients find the cluster through ``SLURM_CONF``, which
 jobs inherit, so ``srun``/``scontrol`` inside a job talk to the same cluster.
+
+Each node (``n1``, ``n2``, ...) is a ``slurmd -N nK`` in UTS and mount namespaces of its own (``unshare``, as
+root): its own hostname, its own ``/etc/hosts`` naming every node at 127.0.0.1 (so the rendezvous host
+resolves inside a job), and its own node-local disk: ``cluster.scratch`` is one path on every node, bind-mounted
+from ``disks/nK``, so a file a job writes there on n2 is not visible on n1 (``cluster.disk("n2")`` is where the
+test reads it). Everything else (the test's temporary directories) is the shared disk. ``kill_node`` kills every
+process of a node's namespaces, as a dead machine would; Slurm marks the node down after ``SlurmdTimeout``
+and requeues its jobs for node failure; ``start_node`` brings it back.
 
 Stopping cancels every job, waits for the queue to drain, stops both daemons, and finally
 kills, by pid, any process still carrying this cluster's marker variable in its environment
@@ -29,6 +37,7 @@ from pathlib import Path
 
 MARKER = "CONVBERT_DS_TEST_SLURM"
 DAEMONS = ("slurmctld", "slurmd")
+SLURMD_TIMEOUT = 10  # seconds without an answer before slurmctld marks a node down (the least it accepts: 1)
 SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 
 
@@ -71,33 +80,40 @@ def _free_ports(count: int) -> list[int]:
 
 
 class SlurmCluster:
-    """``with SlurmCluster(root) as cluster:`` one node (this host, 2 CPUs) in partition ``ci``."""
+    """``with SlurmCluster(root, nodes=2) as cluster:`` nodes ``n1..nN``, each ``cpus`` CPUs and ``gpus`` stand-in
+    GPUs, in partition ``ci``."""
 
-    def __init__(self, root: Path, cpus: int = 2, gpus: int = 2):
+    def __init__(self, root: Path, nodes: int = 2, cpus: int = 2, gpus: int = 2):
         self.root = Path(root)
         self.cpus, self.gpus = cpus, gpus
-        self.node = socket.gethostname().split(".")[0]
+        self.nodes = [f"n{k}" for k in range(1, nodes + 1)]
         self.conf = self.root / "slurm.conf"
         self.log_dir = self.root / "log"
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.scratch = self.root / "scratch"  # the node-local path: the same name on every node, its own disk
+        self.processes: dict[str, subprocess.Popen] = {}  # "slurmctld" and one per node name
         # Jobs derive their rendezvous port from the job id (20000 + id % 12000): a random first
         # id keeps two test sessions on one machine off each other's ports.
         self.first_job_id = random.randrange(1000, 19000)
 
+    def disk(self, node: str) -> Path:
+        """Node ``node``'s own disk, seen from outside the nodes (inside it is ``self.scratch``)."""
+        return self.root / "disks" / node
+
     # Configuration -----------------------------------------------------------------
     def write_config(self) -> None:
-        for sub in ("state", "spool", "log"):
+        for sub in ("state", "spool", "log", "scratch", *(f"disks/{n}" for n in self.nodes)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        ctld_port, slurmd_port = _free_ports(2)
+        ctld_port, *node_ports = _free_ports(1 + len(self.nodes))
         r = self.root
         # Stand-in GPUs: Slurm schedules and reports them (SLURM_GPUS_ON_NODE), which is what the
         # job scripts' tasks-vs-GPUs check reads; torch still sees no CUDA device.
         gres = f"Gres=gpu:{self.gpus} " if self.gpus else ""
+        nodes = "\n".join(f"NodeName={n} NodeHostname={n} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} "
+                          f"{gres}State=UNKNOWN" for n, port in zip(self.nodes, node_ports))
         self.conf.write_text(f"""\
 ClusterName=convbertci
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost={socket.gethostname().split(".")[0]}(127.0.0.1)
 SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
@@ -111,31 +127,35 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
-# The node has the configured CPUs whatever the machine has.
+# Each node has the configured CPUs whatever the machine has.
 SlurmdParameters=config_overrides
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 MailProg=/bin/true
+# A node that answers again (start_node) is back in service at once.
 ReturnToService=2
+SlurmdTimeout={SLURMD_TIMEOUT}
 FirstJobId={self.first_job_id}
 MinJobAge=600
 KillWait=10
 InactiveLimit=0
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
+SlurmdSpoolDir={r}/spool/%n
 SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
+SlurmdPidFile={r}/slurmd.%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
+SlurmdLogFile={r}/log/slurmd.%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 GresTypes=gpu
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} {gres}State=UNKNOWN
-PartitionName=ci Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+{nodes}
+PartitionName=ci Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
         (self.root / "gres.conf").write_text(self._fake_gpus())
+        hosts = Path("/etc/hosts").read_text() if Path("/etc/hosts").is_file() else ""
+        (self.root / "hosts").write_text(f"{hosts.rstrip()}\n127.0.0.1 {' '.join(self.nodes)}\n")
 
     def _fake_gpus(self) -> str:
         """gres.conf lines for ``self.gpus`` stand-in GPU device files (Slurm drops file-less GPUs)."""
@@ -150,7 +170,7 @@ PartitionName=ci Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                     os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
                 except OSError:
                     path.touch()
-        return f"NodeName={self.node} Name=gpu File={dev}/fakegpu[0-{self.gpus - 1}]\n"
+        return f"NodeName={','.join(self.nodes)} Name=gpu File={dev}/fakegpu[0-{self.gpus - 1}]\n"
 
     # Environment for clients and jobs ------------------------------------------------
     def env(self, base: dict | None = None) -> dict:
@@ -175,26 +195,57 @@ PartitionName=ci Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
     # Lifecycle -----------------------------------------------------------------------
     def start(self, timeout: float = 60) -> "SlurmCluster":
         ensure_slurm_installed()
+        if not shutil.which("unshare"):
+            raise SlurmUnavailable("unshare (util-linux) not found: the test cluster's nodes need namespaces")
         self.write_config()
-        env = self.env()
-        for name, args in (("slurmctld", ["-D", "-i", "-f", str(self.conf)]),
-                           ("slurmd", ["-D", "-f", str(self.conf), "-N", self.node])):
-            log = open(self.log_dir / f"{name}.stderr", "w")
-            self.processes[name] = subprocess.Popen([find_daemon(name), *args], env=env, stdout=log,
-                                                    stderr=subprocess.STDOUT, start_new_session=True)
-            log.close()
-            if name == "slurmctld":
-                self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, timeout,
-                           "slurmctld did not answer scontrol ping")
-        self._wait(self._node_idle, timeout, f"node {self.node} did not become idle")
+        self._spawn("slurmctld", [find_daemon("slurmctld"), "-D", "-i", "-f", str(self.conf)])
+        self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, timeout,
+                   "slurmctld did not answer scontrol ping")
+        for node in self.nodes:
+            self.start_node(node, wait=False)
+        self._wait(lambda: self._idle(self.nodes), timeout, f"nodes {self.nodes} did not become idle")
         return self
 
-    def _node_idle(self) -> bool:
+    def start_node(self, node: str, wait: bool = True, timeout: float = 60) -> None:
+        """Start (or restart) node ``node``'s slurmd in namespaces of its own (see the module docstring)."""
+        inside = (f"hostname {node} && mount --bind {self.disk(node)} {self.scratch} && "
+                  f"mount --bind {self.root / 'hosts'} /etc/hosts && "
+                  f"exec {find_daemon('slurmd')} -D -f {self.conf} -N {node}")
+        self._spawn(node, ["unshare", "--uts", "--mount", "--propagation", "private", "bash", "-c", inside])
+        if wait:
+            self._wait(lambda: self._idle([node]), timeout, f"node {node} did not come back")
+
+    def kill_node(self, node: str) -> list[int]:
+        """Kill every process of node ``node`` (its slurmd, its job steps, their children) at once, as a
+        machine that dies would leave them; returns their pids."""
+        process = self.processes.pop(node)
+        namespace = os.readlink(f"/proc/{process.pid}/ns/uts")
+        killed = []
+        for _ in range(3):  # a process forked while we were killing is caught by the next pass
+            for entry in Path("/proc").iterdir():
+                try:
+                    if entry.name.isdigit() and os.readlink(entry / "ns" / "uts") == namespace:
+                        os.kill(int(entry.name), signal.SIGKILL)
+                        killed.append(int(entry.name))
+                except OSError:
+                    continue
+            time.sleep(0.2)
+        process.wait()
+        return sorted(set(killed))
+
+    def node_state(self, node: str) -> str:
+        return self.run("sinfo", "-h", "-n", node, "-N", "-o", "%T", check=False).stdout.strip()
+
+    def _spawn(self, name: str, command: list[str]) -> None:
+        with open(self.log_dir / f"{name}.stderr", "a") as log:
+            self.processes[name] = subprocess.Popen(command, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                                    start_new_session=True)
+
+    def _idle(self, nodes: list[str]) -> bool:
         for name, process in self.processes.items():
             if process.poll() is not None:
                 raise RuntimeError(f"{name} exited with {process.returncode}\n{self.daemon_logs()}")
-        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
-        return out == "idle"
+        return all(self.node_state(node) == "idle" for node in nodes)
 
     def _wait(self, condition, timeout: float, message: str) -> None:
         deadline = time.monotonic() + timeout
@@ -214,7 +265,7 @@ PartitionName=ci Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                            "jobs did not drain")
             except RuntimeError:
                 pass
-        for name in reversed(DAEMONS):
+        for name in [*self.nodes, "slurmctld"]:
             process = self.processes.pop(name, None)
             if process is None or process.poll() is not None:
                 continue

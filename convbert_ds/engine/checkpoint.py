@@ -24,11 +24,19 @@ previous checkpoint the newest complete one.
 With ``checkpoint.mirror`` (an object-store URL), rank 0 then uploads the complete tag (in the same thread for
 a background save) and only after that prunes ``checkpoint.dir``: the layout in the store, and why a tag there
 is complete only with its COMPLETE, is ``convbert_ds.formats.checkpoint.store``.
+
+On node-local disks (``checkpoint_disk``: each node its own ``checkpoint.dir``) no directory ever holds a whole
+tag: each node's first rank uploads its node's part, and the tag is complete once rank 0 has uploaded COMPLETE
+and ``latest`` to the mirror after every part was confirmed (``_commit_parts``). A node's failed upload is a
+failed save like a full disk: every rank raises ``SaveFailed``, and the store's newest complete tag stays the
+previous one.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -40,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from convbert_ds.engine import deepspeed_seam
+from convbert_ds.engine.checkpoint_disk import CheckpointDisk, one_disk
 from convbert_ds.errors import first_line
 from convbert_ds.formats.checkpoint import directory as tags
 from convbert_ds.formats.checkpoint import run_state
@@ -149,11 +158,11 @@ def _free_space(directory: Path, last_complete: str | None) -> str:
 
 class SaveFailed(Exception):
     """A save failed on at least one rank (every rank raises it); its partial files are gone and ``latest``
-    still names ``last_complete``."""
+    still names ``last_complete``. ``where``: ``checkpoint.dir``, or the mirror on node-local disks."""
 
-    def __init__(self, directory: Path, tag: str, errors: list[str], free: str, last_complete: str | None):
-        self.directory, self.tag, self.last_complete = directory, tag, last_complete
-        super().__init__(f"checkpoint {tag} not saved in {directory}: {'; '.join(errors)} ({free})")
+    def __init__(self, where: Path | str, tag: str, errors: list[str], free: str, last_complete: str | None):
+        self.where, self.tag, self.last_complete = where, tag, last_complete
+        super().__init__(f"checkpoint {tag} not saved in {where}: {'; '.join(errors)}" + (f" ({free})" if free else ""))
 
     def retry_line(self, next_step: int) -> str:
         kept = f"latest still names {self.last_complete}" if self.last_complete else "no checkpoint is complete yet"
@@ -161,8 +170,8 @@ class SaveFailed(Exception):
 
     def final_line(self, step: int) -> str:
         first = tags.step_of(self.last_complete) + 1 if self.last_complete else 1
-        where = (f"the last complete checkpoint is {self.directory / self.last_complete}" if self.last_complete
-                 else f"there is no complete checkpoint in {self.directory}")
+        where = (f"the last complete checkpoint is {self.where}/{self.last_complete}" if self.last_complete
+                 else f"there is no complete checkpoint in {self.where}")
         return f"error: {self}; steps {first}-{step} are not saved; {where}"
 
 
@@ -193,12 +202,15 @@ def stage(engine, directory: Path, step: int, trainer_state: run_state.RunState,
     return Staged(directory, step, trainer_state.to_json(), writes, rng_state(), staged or [])
 
 
-def finish(save: Staged, keep_last: int, device, group=None, mirror: str | None = None) -> str:
+def finish(save: Staged, keep_last: int, device, group=None, mirror: str | None = None,
+           disk: CheckpointDisk | None = None) -> str:
     """Write what ``save`` staged, then make the tag visible (COMPLETE, ``latest``) once all ranks are done.
     Returns the tag; raises ``SaveFailed`` on every rank when any rank's writes failed. ``group``: the ranks'
     collectives go there (a background save's own gloo group, with ``device`` the CPU). ``mirror``: a store
-    URL rank 0 then uploads the tag to (``_commit_to_store``)."""
+    URL rank 0 then uploads the tag to (``_commit_to_store``). ``disk``: where ``save.directory`` lives; on
+    node-local disks the tag is complete only in the mirror, once every node's part is there (``_commit_parts``)."""
     directory, step, writes, rank = save.directory, save.step, save.writes, dist.get_rank()
+    disk = disk or one_disk(directory)
     tag, tag_dir = save.tag, save.directory / save.tag
     for state, path in save.staged:
         writes.attempt(writes.engine_save, state, path)
@@ -209,21 +221,82 @@ def finish(save: Staged, keep_last: int, device, group=None, mirror: str | None 
     if not errors:
         if rank == 0:
             writes.attempt(write_text_atomically, tag_dir / tags.TRAINER_STATE, save.trainer_state)
-            writes.attempt(tags.write_manifest, tag_dir, dist.get_world_size())
-            writes.attempt(write_text_atomically, directory / tags.LATEST, tag + "\n")
+            if disk.shared:  # on node-local disks no directory holds the whole tag: COMPLETE is the store's
+                writes.attempt(tags.write_manifest, tag_dir, dist.get_world_size())
+                writes.attempt(write_text_atomically, directory / tags.LATEST, tag + "\n")
         errors = _ranks_errors(writes.error, device, group)  # rank 0's writes: the others have none here
+    if not errors and not disk.shared:
+        errors = _commit_parts(save, keep_last, mirror, disk, group)
     if errors:
         last, free = None, ""
-        if rank == 0:
+        if disk.keeper:
             shutil.rmtree(tag_dir, ignore_errors=True)
-            last = tags.latest_complete(directory)
-            free = _free_space(directory, last)
+        if rank == 0:
+            last = _last_complete(directory, mirror, disk)
+            free = _free_space(directory, last) if disk.shared else ""
         dist.barrier(group=group)  # nobody goes on (or exits) before the partial files are gone
-        raise SaveFailed(directory, tag, errors, free, last)
+        raise SaveFailed(directory if disk.shared else mirror, tag, errors, free, last)
     dist.barrier(group=group)
-    if rank == 0:  # the other ranks go on: nothing they do next reads the store or the older tags
+    if rank == 0 and disk.shared:  # the other ranks go on: nothing they do next reads the store or the older tags
         _commit_to_store(directory, tag, keep_last, mirror)
     return tag
+
+
+def _last_complete(directory: Path, mirror: str | None, disk: CheckpointDisk) -> str | None:
+    if disk.shared:
+        return tags.latest_complete(directory)
+    try:
+        return checkpoint_store.latest_complete(mirror)
+    except OSError:
+        return None
+
+
+def _commit_parts(save: Staged, keep_last: int, mirror: str, disk: CheckpointDisk, group) -> list[str]:
+    """Node-local disks: each node's keeper uploads its node's part of the tag, then rank 0, once every part is
+    confirmed, uploads COMPLETE and ``latest`` (``store.commit_parts``) and prunes the store; each keeper then
+    prunes its own disk. Returns the errors (the same list on every rank): a node's failed upload leaves the
+    tag incomplete in the store and ``latest`` where it was."""
+    host = socket.gethostname().split(".")[0]
+    part = None  # (its manifest entries, what was sent, its error): from each keeper
+    if disk.keeper:
+        try:
+            deepspeed_seam.injected_upload_failure(save.step, max(disk.group_ranks) == dist.get_world_size() - 1)
+            files, sent, seconds = checkpoint_store.upload_part(save.directory, save.tag, mirror)
+            part = (files, f"{host} {_bytes(sent)} in {seconds:.1f} s", None)
+        except OSError as error:  # a StoreError, or a local file that could not be read
+            part = (None, None, f"{host}'s upload failed: {first_line(error)}")
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part, group=group)
+    parts = [p for p in parts if p is not None]
+    outcome: list = [[p[2] for p in parts if p[2]], []]  # [errors, the tags kept]: the same length on every rank
+    if dist.get_rank() == 0 and not outcome[0]:
+        try:
+            checkpoint_store.commit_parts(mirror, save.tag, [p[0] for p in parts], dist.get_world_size())
+        except OSError as error:
+            outcome[0] = [f"{mirror}: {first_line(error)}"]
+        else:
+            log.info(f"uploaded checkpoint {save.tag} to {mirror} from {len(parts)} nodes ("
+                     + "; ".join(p[1] for p in parts) + ")")
+            outcome[1] = _prune_store(mirror, keep_last)
+    dist.broadcast_object_list(outcome, src=0, group=group)
+    errors, kept = outcome
+    if not errors and kept and disk.keeper:
+        for old in os.listdir(save.directory):
+            if tags.is_tag(old) and tags.step_of(old) < tags.step_of(kept[0]):
+                shutil.rmtree(save.directory / old, ignore_errors=True)
+    return errors
+
+
+def _prune_store(mirror: str, keep_last: int) -> list[str]:
+    """Apply ``keep_last`` to the store; the tags kept there (none when the store could not be listed)."""
+    try:
+        kept = checkpoint_store.complete_tags(mirror)[-keep_last:]
+        checkpoint_store.prune(mirror, kept)
+    except OSError as error:
+        log.warning(f"warning: could not prune old checkpoints in {mirror} ({first_line(error)}); "
+                    "they are deleted at a later save")
+        return []
+    return kept
 
 
 def _commit_to_store(directory: Path, tag: str, keep_last: int, mirror: str | None) -> None:
@@ -265,8 +338,9 @@ class BackgroundSave:
     process that ends or is killed mid-save leaves the previous checkpoint the newest complete one.
     """
 
-    def __init__(self, keep_last: int, mirror: str | None = None):
-        self.keep_last, self.mirror, self.group = keep_last, mirror, dist.new_group(backend="gloo")
+    def __init__(self, keep_last: int, mirror: str | None = None, disk: CheckpointDisk | None = None):
+        self.keep_last, self.mirror, self.disk = keep_last, mirror, disk
+        self.group = dist.new_group(backend="gloo")
         self._thread: threading.Thread | None = None
         self._finished: Finished | None = None
 
@@ -276,7 +350,7 @@ class BackgroundSave:
         def run():
             error = None
             try:
-                finish(save, self.keep_last, torch.device("cpu"), self.group, self.mirror)
+                finish(save, self.keep_last, torch.device("cpu"), self.group, self.mirror, self.disk)
             except Exception as failed:  # noqa: BLE001 -- said by the step loop, at its next wait
                 error = failed
             self._finished = Finished(save.step, time.perf_counter() - started, error)
@@ -303,11 +377,13 @@ class RunSaves:
     ``saved_at``: the step of the last save that is complete or, in the background, still in flight; a
     failed one leaves it behind, for the next interval or the run's last save to make up for."""
 
-    def __init__(self, engine, cfg, train_steps: int, after_save):
+    def __init__(self, engine, cfg, train_steps: int, after_save, disk: CheckpointDisk | None = None):
         deepspeed_seam.check_checkpoint_writes(engine)  # a DeepSpeed that moved them fails here, not at a save
         self.engine, self.directory, self.cfg, self.train_steps = engine, Path(cfg.dir), cfg, train_steps
-        self.after_save = after_save  # after_save(step, tag_dir), on rank 0: the probes
-        self.background = BackgroundSave(cfg.keep_last, cfg.mirror) if cfg.background else None  # every rank, here
+        self.disk = disk or one_disk(self.directory)
+        self.after_save = after_save  # after_save(step, the tag's directory or URL), on rank 0: the probes
+        self.background = (BackgroundSave(cfg.keep_last, cfg.mirror, self.disk) if cfg.background  # every rank
+                           else None)
         self.saved_at = -1
 
     def start(self, step: int) -> None:
@@ -336,10 +412,10 @@ class RunSaves:
             staged = stage(self.engine, self.directory, step, trainer_state, in_background)
             if in_background:
                 self.background.start(staged, started)
-                log.info(f"saving checkpoint {self.directory / staged.tag} in the background (the step loop "
+                log.info(f"saving checkpoint {self._where(staged.tag)} in the background (the step loop "
                          f"waited {time.perf_counter() - started:.2f} s)")
             else:
-                finish(staged, self.cfg.keep_last, self.engine.device, mirror=self.cfg.mirror)
+                finish(staged, self.cfg.keep_last, self.engine.device, mirror=self.cfg.mirror, disk=self.disk)
                 self._saved(step, f"the step loop waited {time.perf_counter() - started:.2f} s")
         except SaveFailed as error:
             self._say_failed(error, step, final)
@@ -366,11 +442,15 @@ class RunSaves:
         if self.saved_at == finished.step:
             self.saved_at = -1
 
+    def _where(self, tag: str) -> Path | str:
+        """The tag's directory, or on node-local disks its URL: the one place it is whole."""
+        return self.directory / tag if self.disk.shared else f"{self.cfg.mirror.rstrip('/')}/{tag}"
+
     def _saved(self, step: int, how: str) -> None:
-        tag_dir = self.directory / tags.tag_for(step)
-        log.info(f"saved checkpoint {tag_dir} ({how})")
+        where = self._where(tags.tag_for(step))
+        log.info(f"saved checkpoint {where} ({how})")
         if dist.get_rank() == 0:
-            self.after_save(step, tag_dir)
+            self.after_save(step, where)
 
     def _say_failed(self, error: SaveFailed, step: int, final: bool) -> None:
         if final:

@@ -321,6 +321,8 @@ class Faults:
     # One rank's save fails with ENOSPC after DeepSpeed wrote its files (so partial files exist): rank 1 when
     # there is one, so that the ranks must agree on the outcome.
     fail_save_at: int | None = None
+    # On node-local disks, the last node's upload of its part fails (the store refused it).
+    fail_upload_at: int | None = None
 
 
 FAULTS = Faults()
@@ -330,6 +332,13 @@ def injected_write_failure(step: int, tag_dir: Path) -> None:
     """A point of the save path where a write fails when a test asked for it (``FAULTS.fail_save_at``)."""
     if FAULTS.fail_save_at == step and dist.get_rank() == min(1, dist.get_world_size() - 1):
         raise OSError(errno.ENOSPC, "No space left on device (injected by a test)", str(tag_dir))
+
+
+def injected_upload_failure(step: int, last_keeper: bool) -> None:
+    """Where a node's upload of its part fails when a test asked for it (``FAULTS.fail_upload_at``): raised on
+    the last node's keeper."""
+    if FAULTS.fail_upload_at == step and last_keeper:
+        raise PermissionError("the store refused the upload (injected by a test)")
 
 
 def injected_kill(step: int) -> None:

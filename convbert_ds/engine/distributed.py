@@ -171,6 +171,15 @@ def place(group_when_alone: bool = True) -> torch.device:
 T = TypeVar("T")
 
 
+def _travels(error: Exception) -> Exception:
+    """``error``, or its text in a RuntimeError when it cannot be pickled to another rank."""
+    try:
+        pickle.dumps(error)
+    except Exception:  # noqa: BLE001 - an exception that cannot travel: its text can
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
+
+
 def on_rank0(work: Callable[[], T]) -> T:
     """``work()`` on rank 0 only; every rank returns its result, or raises its exception (the others would
     otherwise wait forever in the next collective). A process that started no group (a single one) is rank 0
@@ -182,16 +191,32 @@ def on_rank0(work: Callable[[], T]) -> T:
         try:
             outcome[0] = (True, work())
         except Exception as error:  # noqa: BLE001 - handed to every rank, raised there
-            try:
-                pickle.dumps(error)
-            except Exception:  # noqa: BLE001 - an exception that cannot travel: its text can
-                error = RuntimeError(f"{type(error).__name__}: {error}")
-            outcome[0] = (False, error)
+            outcome[0] = (False, _travels(error))
     dist.broadcast_object_list(outcome, src=0)
     ok, value = outcome[0]
     if not ok:
         raise value
     return value
+
+
+def on_ranks(work: Callable[[], T], mine: bool, group=None) -> list[T | None]:
+    """``work()`` on every rank where ``mine`` is true (each node's first rank on node-local disks, say), the
+    others waiting; every rank returns the list of results by rank (None where it did not run), or raises the
+    first exception raised on any rank, by rank order."""
+    if not dist.is_initialized():
+        return [work() if mine else None]
+    outcome = (True, None)
+    if mine:
+        try:
+            outcome = (True, work())
+        except Exception as error:  # noqa: BLE001 - handed to every rank, raised there
+            outcome = (False, _travels(error))
+    outcomes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, outcome, group=group)
+    for ok, value in outcomes:
+        if not ok:
+            raise value
+    return [value for _, value in outcomes]
 
 
 def exit_process(code: int) -> NoReturn:

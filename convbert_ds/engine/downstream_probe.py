@@ -64,21 +64,23 @@ class DownstreamProbes:
             args += ["--task-type", d.task_type] if d.task_type else []
         return args + [str(a) for a in d.finetune_args]
 
-    def _probe(self, name: str, step: int | None, model: Path, extra: list[str]) -> Probe:
+    def _probe(self, name: str, step: int | None, model: Path | str, extra: list[str]) -> Probe:
         out = self.root / name
         command = [sys.executable, "-m", "convbert_ds.finetune", "--model", str(model), "--out", str(out),
                    *self._task_args(), *extra]
         return Probe(name, step, model, command, out)
 
-    def after_save(self, step: int, checkpoint: Path) -> None:
-        """Queue a probe of the checkpoint just saved (and, the first time, the baseline)."""
+    def after_save(self, step: int, checkpoint: Path | str) -> None:
+        """Queue a probe of the checkpoint just saved (and, the first time, the baseline): its directory, or
+        its URL in the mirror (on node-local disks no directory holds it whole)."""
         if self.section.interval <= 0 or step % self.section.interval:
             return
         if self.section.random_baseline and not self.baseline_queued:
             self.baseline_queued = True
             self.queue.append(self._probe(BASELINE, None, checkpoint, ["--random-init"]))
         # --force: after a resume, the re-saved step is probed afresh.
-        self.queue.append(self._probe(checkpoint.name, step, checkpoint, ["--force"]))
+        name = str(checkpoint).rstrip("/").rsplit("/", 1)[-1]
+        self.queue.append(self._probe(name, step, checkpoint, ["--force"]))
         self.poll()
 
     def _start(self, probe: Probe) -> None:

@@ -7,6 +7,7 @@ the run's position; everything the step loop builds after it (logs, progress, sa
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 from convbert_ds.engine import checkpoint, distributed
+from convbert_ds.engine.checkpoint_disk import CheckpointDisk, one_disk
 from convbert_ds.engine.plan import RunPlan
 from convbert_ds.engine.universal import load_into
-from convbert_ds.formats.checkpoint import directory as tags, run_state, universal
+from convbert_ds.formats.checkpoint import directory as tags, run_state, store as checkpoint_store, universal
 from convbert_ds.formats.checkpoint.run_state import FIRST_PHASE, Phase
-from convbert_ds.log import get_logger
+from convbert_ds.log import EVERY_RANK, get_logger
 
 log = get_logger(__name__)
 
@@ -33,16 +35,22 @@ class Position:
     phase: Phase = FIRST_PHASE  # a run without phase.continue_from is phase 1 with nothing before it
 
 
-def resume(plan: RunPlan, engine, train_loader) -> Position:
-    """Load the checkpoint this run starts from into ``engine`` and ``train_loader`` (every rank)."""
+def resume(plan: RunPlan, engine, train_loader, disk: CheckpointDisk | None = None) -> Position:
+    """Load the checkpoint this run starts from into ``engine`` and ``train_loader`` (every rank). ``disk``:
+    where ``checkpoint.dir`` lives; each disk's keeper (rank 0 on a shared one, each node's first rank on
+    node-local ones) tidies and checks its own copy."""
     ckpt_dir = Path(plan.cfg.checkpoint.dir)
-    if dist.get_rank() == 0:
+    disk = disk or one_disk(ckpt_dir)
+    if disk.keeper:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         removed = tags.remove_incomplete(ckpt_dir)
         if removed:
-            log.info(f"removed incomplete checkpoint(s) {removed} (an interrupted save)")
+            log.info(f"removed incomplete checkpoint(s) {removed} from {ckpt_dir} (an interrupted save, or on "
+                     "node-local disks this node's part of a save)", extra=EVERY_RANK)
     dist.barrier()
     tag = distributed.on_rank0(lambda: tags.choose_resume_tag(ckpt_dir, plan.cfg.checkpoint.verify))
+    if tag is not None and not disk.shared:
+        _on_every_disk(plan, disk, tag)
     if tag is None:
         if plan.continue_from is not None:
             return Position(phase=_start_phase(plan, engine, plan.continue_from))
@@ -53,7 +61,7 @@ def resume(plan: RunPlan, engine, train_loader) -> Position:
         checkpoint.load(engine, ckpt_dir, tag)
         changed = ""
     else:
-        changed = _load_other_layout(plan, engine, ckpt_dir / tag, saved)
+        changed = _load_other_layout(plan, engine, ckpt_dir / tag, saved, disk)
     train_loader.load_state_dict(state.data)
     position = Position(state.step, state.nonfinite_total, state.phase)
     log.info(f"resumed from {ckpt_dir / tag} at step {position.step} "
@@ -90,8 +98,29 @@ def _start_phase(plan: RunPlan, engine, tag_dir: Path) -> Phase:
     return phase
 
 
-def _convert_to_universal(plan: RunPlan, tag_dir: Path, saved: universal.Layout) -> None:
-    """Rank 0 writes ``tag_dir/universal`` once (kept there for the next reader); every rank waits."""
+def _on_every_disk(plan: RunPlan, disk: CheckpointDisk, tag: str) -> None:
+    """Node-local disks: the tag rank 0 chose is on every node's disk too, verified there; a node that lacks
+    it (or holds a damaged copy) downloads it from the mirror first."""
+    ckpt_dir, mirror, mode = Path(plan.cfg.checkpoint.dir), plan.cfg.checkpoint.mirror, plan.cfg.checkpoint.verify
+
+    def fetch() -> None:
+        if tags.verify(ckpt_dir / tag, mode) is None:
+            return
+        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        size, seconds = checkpoint_store.download_tag(mirror, tag, ckpt_dir)
+        log.info(f"downloaded checkpoint {tag} from {mirror} into {ckpt_dir} ({size / 2**20:,.1f} MiB in "
+                 f"{seconds:.1f} s)", extra=EVERY_RANK)
+        problem = tags.verify(ckpt_dir / tag, mode)
+        if problem is not None:
+            raise tags.CheckpointError(f"{mirror}/{tag}: downloaded, but {problem}; {tags.DAMAGED_TAG}")
+
+    distributed.on_ranks(fetch, disk.keeper and dist.get_rank() != 0)
+
+
+def _convert_to_universal(plan: RunPlan, tag_dir: Path, saved: universal.Layout,
+                          disk: CheckpointDisk | None = None) -> None:
+    """Each disk's keeper (rank 0 when there is one disk) writes ``tag_dir/universal`` once (kept there for the
+    next reader); every rank waits."""
     def convert() -> None:
         if not (tag_dir / tags.UNIVERSAL / universal.META).is_file():
             log.info(f"converting {tag_dir} ({saved}) to a universal checkpoint for {plan.layout}")
@@ -100,13 +129,13 @@ def _convert_to_universal(plan: RunPlan, tag_dir: Path, saved: universal.Layout)
         except OSError as error:  # e.g. no space for the copy: one line, not a traceback per rank
             raise universal.ReshapeError(f"cannot read {tag_dir} in another layout: {error}") from None
 
-    distributed.on_rank0(convert)
+    distributed.on_ranks(convert, disk.keeper if disk is not None else dist.get_rank() == 0)
 
 
-def _load_other_layout(plan: RunPlan, engine, tag_dir: Path, saved: universal.Layout) -> str:
+def _load_other_layout(plan: RunPlan, engine, tag_dir: Path, saved: universal.Layout, disk: CheckpointDisk) -> str:
     """Resume a checkpoint written in another layout through its universal copy (converted once by rank 0,
     kept beside the checkpoint for the next resume); returns the log line's addition."""
-    _convert_to_universal(plan, tag_dir, saved)
+    _convert_to_universal(plan, tag_dir, saved, disk)
     load_into(engine, tag_dir / tags.UNIVERSAL, plan.electra, plan.pipelined)
     # The saved random streams belong to the old ranks; new ones, the same on every rerun.
     seed = np.random.SeedSequence([plan.cfg.train.seed, tags.step_of(tag_dir.name), dist.get_rank()])

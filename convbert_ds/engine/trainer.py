@@ -17,6 +17,7 @@ import torch.distributed as dist
 from convbert_ds.data.blending import describe_blend
 from convbert_ds.data.loader import build_dataloader
 from convbert_ds.engine import checkpoint
+from convbert_ds.engine.checkpoint_disk import probe as probe_checkpoint_disk
 from convbert_ds.engine.compile_cache import CompileCache
 from convbert_ds.engine.downstream_probe import DownstreamProbes
 from convbert_ds.engine.evaluation import Evaluation
@@ -61,6 +62,8 @@ class Trainer:
 
     # Set-up: each call takes what the calls before it made ------------------------------------------------
     def setup(self) -> None:
+        # First, before minutes of building: node-local checkpoint disks without a mirror stop the run here.
+        self.disk = probe_checkpoint_disk(self.ckpt_dir, self.cfg.checkpoint.mirror)
         model, self.graphs = self._build_model()
         self.engine = self._start_engine(model)
         # Before anything compiles (the first step): one writer per pipeline stage, whose graphs are its own.
@@ -68,7 +71,7 @@ class Trainer:
                                                   writes=self.dp_rank == 0)
         self.compile_cache.load()
         self.train_loader, self.valid_loader = self._loaders()
-        self.position = resume(self.plan, self.engine, self.train_loader)
+        self.position = resume(self.plan, self.engine, self.train_loader, self.disk)
         self.step = self.position.step
         if self.step == 0:  # a resumed run has its RNG states back from the checkpoint
             torch.manual_seed(self.cfg.train.seed + 1 + dist.get_rank())
@@ -182,7 +185,8 @@ class Trainer:
         self.probes = DownstreamProbes(cfg.eval.downstream if rank0 else DownstreamSection(), cfg.log_dir,
                                        partial(self.metrics_log.write, prefix="downstream"))
         # A save queues a probe of the checkpoint it wrote.
-        self.saves = checkpoint.RunSaves(self.engine, cfg.checkpoint, cfg.train.steps, self.probes.after_save)
+        self.saves = checkpoint.RunSaves(self.engine, cfg.checkpoint, cfg.train.steps, self.probes.after_save,
+                                         self.disk)
         self.saves.start(step)
 
     def _train_steps(self) -> int:

@@ -143,7 +143,7 @@ def test_pretrain_deepspeed_sbatch_matches_srun(cluster, tiny_corpus, reference,
     launchers = [call for call in record.read_text().splitlines() if "exec deepspeed --hostfile" in call]
     assert len(launchers) == 1 and launchers[0].startswith("image.sif bash -c "), launchers  # one per node
     (log_dir,) = (tmp_path / "runs" / "slurm").glob(f"*-{job}")
-    assert (log_dir / "hostfile").read_text() == f"{cluster.node} slots=2\n"
+    assert (log_dir / "hostfile").read_text() == f"{cluster.job(job)['NodeList']} slots=2\n"
     assert "deepspeed.launcher.launch" in log and "--node_rank=0" in log and "launcher=torch world_size=2" in log
     same_steps(train_rows(tmp_path / "run"), reference["rows"])
 
@@ -248,27 +248,36 @@ def test_resubmitted_on_another_shape_the_run_goes_on(cluster, tiny_corpus, refe
     assert [r["consumed_samples"] for r in rows] == [r["consumed_samples"] for r in reference["rows"]]
 
 
-@pytest.mark.parametrize("case", ["config", "gpus", "checkpoint_dir"])
+@pytest.mark.parametrize("case", ["config", "gpus", "checkpoint_dir", "unshared_checkpoint_dir"])
 def test_bad_jobs_stop_before_training_with_one_clear_error(case, cluster, tiny_corpus, tmp_path):
     run, shape = tmp_path / "run", list(SRUN_SHAPE)
     extra, message = {
         "config": (["train.global_batch_size=20"],
                    "config error (2 processes): train.global_batch_size=20 is not a multiple"),
-        "gpus": ([], f"node {cluster.node} has 1 GPU(s) for 2 processes"),
+        "gpus": ([], "node {node} has 1 GPU(s) for 2 processes"),
         "checkpoint_dir": ([f"checkpoint.dir={tmp_path / 'a_file' / 'checkpoints'}"],
-                           f"node {cluster.node} cannot write to the checkpoint directory"),
+                           "node {node} cannot write to the checkpoint directory"),
+        # Node-local disks (each node's own scratch) and no mirror to join the checkpoints' parts.
+        "unshared_checkpoint_dir": ([f"checkpoint.dir={cluster.scratch / 'checkpoints'}",
+                                     "train.micro_batch_size=4"],
+                                    f"checkpoint directory {cluster.scratch / 'checkpoints'} is not shared: files "
+                                    "written there on node(s) n2 are not visible on n1; put checkpoint.dir on a "
+                                    "filesystem all nodes mount, or set checkpoint.mirror=s3://BUCKET/PREFIX"),
     }[case]
     if case == "gpus":
         shape[1] = "--gpus-per-node=1"
+    if case == "unshared_checkpoint_dir":
+        shape.append("--nodes=2")
     (tmp_path / "a_file").write_text("not a directory")
     # Not ``sbatch --wait``: it polls at growing intervals and returned about 10 s after these jobs had ended.
-    job = submit(cluster, tmp_path, "pretrain.sbatch", *train_args(tiny_corpus["shards"], run, *extra), options=shape)
+    job = submit(cluster, tmp_path, "pretrain.sbatch", *train_args(tiny_corpus["shards"], run, *extra), options=shape,
+                 env=job_env(cluster, CONVBERT_DS_SHARED_DISK_WAIT="3"))
     info = cluster.wait_job(job, 180)
     (out,) = tmp_path.glob("convbert-pretrain-*.out")
     text = out.read_text()
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), text
-    assert message in text
-    assert "nothing was started" in text or "a node failed its checks" in text
+    assert message.format(node=info["NodeList"]) in text
+    assert "nothing was started" in text or "a node failed its checks" in text or "is not shared" in text
     assert "launcher=" not in text and not (run / "logs").exists()
 
 

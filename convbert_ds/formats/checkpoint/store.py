@@ -12,6 +12,12 @@ checks each body's checksum in flight; what is uploaded is checked again by size
 run resumes from a downloaded copy (``checkpoint.verify``). The local copy is kept until its upload is
 complete: the trainer prunes ``checkpoint.dir`` only after (``convbert_ds.engine.checkpoint``).
 
+On node-local disks (``engine.checkpoint_disk``) no disk holds a whole tag: each node uploads its own part
+(``upload_part``: every file its ranks wrote, each checked by size once sent), and rank 0 uploads ``COMPLETE``,
+the manifest of every node's files, and ``latest`` only after every node's part is confirmed
+(``commit_parts``): a node whose upload fails leaves the tag incomplete in the store, and the previous one the
+newest complete.
+
 Downloading (a run that starts on an empty disk, the converter's and fine-tuning's ``s3://`` paths) fills a
 temporary directory beside the target and renames it into place: a tag on disk is whole or absent.
 """
@@ -40,11 +46,9 @@ def _files(tag_dir: Path) -> list[str]:
                   if p.is_file() and p.name != COMPLETE and UNIVERSAL not in p.relative_to(tag_dir).parts[:-1])
 
 
-def upload_tag(directory: Path, tag: str, url: str) -> tuple[int, float]:
-    """Upload the complete tag ``directory/tag`` to ``url/tag`` and move ``url/latest`` to it; returns the bytes
-    sent and the seconds taken. Raises ``StoreError`` (the store's copy then stays incomplete)."""
-    started, tag_dir, root = time.perf_counter(), directory / tag, objstore.Url.parse(url)
-    names, sent = _files(tag_dir), 0
+def _upload_files(tag_dir: Path, names: list[str], url: str, tag: str) -> int:
+    """Send ``names`` under ``tag_dir`` to ``url/tag/``, then check each one's size in the store; the bytes sent."""
+    root, sent = objstore.Url.parse(url), 0
     for name in names:
         objstore.upload(tag_dir / name, str(root.join(tag, name)))
         sent += (tag_dir / name).stat().st_size
@@ -53,9 +57,51 @@ def upload_tag(directory: Path, tag: str, url: str) -> tuple[int, float]:
         if stored != size:
             raise objstore.StoreError(f"{root.join(tag, name)}: {stored} bytes in the store, {size} on disk after "
                                       f"the upload; the store lost a write")
+    return sent
+
+
+def upload_tag(directory: Path, tag: str, url: str) -> tuple[int, float]:
+    """Upload the complete tag ``directory/tag`` to ``url/tag`` and move ``url/latest`` to it; returns the bytes
+    sent and the seconds taken. Raises ``StoreError`` (the store's copy then stays incomplete)."""
+    started, tag_dir, root = time.perf_counter(), directory / tag, objstore.Url.parse(url)
+    sent = _upload_files(tag_dir, _files(tag_dir), url, tag)
     objstore.upload(tag_dir / COMPLETE, str(root.join(tag, COMPLETE)))
     objstore.put_bytes(str(root.join(LATEST)), f"{tag}\n".encode())
     return sent, time.perf_counter() - started
+
+
+def upload_part(directory: Path, tag: str, url: str) -> tuple[dict, int, float]:
+    """One node's part of a tag on node-local disks: every file now under ``directory/tag`` sent to ``url/tag``
+    and checked there by size. Returns the part's manifest entries (``{name: {"size", "sha256"}}``, as in
+    COMPLETE), the bytes sent and the seconds taken. Raises ``StoreError``."""
+    started, tag_dir = time.perf_counter(), directory / tag
+    files = local.build_manifest(tag_dir, 0)["files"]
+    sent = _upload_files(tag_dir, sorted(files), url, tag)
+    return files, sent, time.perf_counter() - started
+
+
+def commit_parts(url: str, tag: str, parts: list[dict], world_size: int) -> None:
+    """Make ``url/tag`` complete from the parts every node uploaded (``upload_part``'s entries, one dict per
+    node): each listed file checked in the store by size, then COMPLETE (their union) and ``latest``. A file
+    two nodes both wrote must agree. Raises ``StoreError``, leaving the tag incomplete."""
+    root, files = objstore.Url.parse(url), {}
+    for part in parts:
+        for name, entry in part.items():
+            if files.setdefault(name, entry) != entry:
+                raise objstore.StoreError(f"{root.join(tag, name)}: two nodes wrote different files under this "
+                                          "name; the checkpoint is not complete")
+    for name in sorted(files):
+        try:
+            stored = objstore.head(str(root.join(tag, name)))[0]
+        except objstore.StoreNotFound:
+            raise objstore.StoreError(f"{root.join(tag, name)}: not in the store, though its node listed it; "
+                                      "the checkpoint is not complete") from None
+        if stored != files[name]["size"]:
+            raise objstore.StoreError(f"{root.join(tag, name)}: {stored} bytes in the store, {files[name]['size']} "
+                                      "written by its node; the checkpoint is not complete")
+    manifest = {"format": local.MANIFEST_FORMAT, "world_size": world_size, "files": files}
+    objstore.put_bytes(str(root.join(tag, COMPLETE)), (json.dumps(manifest, indent=1) + "\n").encode())
+    objstore.put_bytes(str(root.join(LATEST)), f"{tag}\n".encode())
 
 
 def complete_tags(url: str) -> list[str]:

@@ -1,0 +1,136 @@
+"""Training across two nodes of the session's Slurm cluster (``slurm_cluster.py``: each node a ``slurmd`` in
+namespaces of its own, with its own hostname and its own node-local disk at ``cluster.scratch``), with
+checkpoints on those node-local disks joined in an object store (a real S3 server on loopback).
+
+One run is cut and finished, and every step of it equals a one-node run's with the same 4 ranks, to the bit:
+1. ``slurm/pretrain.sbatch`` (srun) on 2 nodes x 2 ranks saves at steps 4, 8 and 12 into each node's own disk:
+   step 4 is complete in the store; the last node's upload of step 8 fails, so the store keeps step 4 as its
+   newest complete checkpoint and ``latest``; rank 0 is killed in the save of step 12;
+2. both nodes' disks are emptied (new machines), and ``slurm/pretrain_deepspeed.sbatch`` (one deepspeed
+   launcher per node) on the same 2 nodes downloads step 4 onto each node's disk and trains steps 5-16.
+"""
+
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch import FAULTY_TRAIN, NOT_THE_SUBJECT, REPO, check, run_training, train_metrics
+from slurm_cluster import SlurmCluster
+from test_slurm import job_env, job_log, sbatch, submit, train_args, train_rows
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+FOUR_RANKS = (f"train.steps={STEPS}", "train.micro_batch_size=4", "checkpoint.interval=4", "checkpoint.keep_last=2")
+MIRROR = "s3://checkpoints/several-nodes"
+TWO_NODES_SRUN = ("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--time=30")
+TWO_NODES_DEEPSPEED = ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=2", "--cpus-per-task=2", "--time=30")
+KEYS = ("loss", "mlm_loss", "rtd_loss", "grad_norm", "consumed_samples")
+
+
+def faulty_prefix(directory: Path, *faults: str) -> str:
+    """A launch prefix (``CONVBERT_DS_LAUNCH_PREFIX``) that runs each trainer task as ``tests/faulty_train.py
+    FAULTS`` (the same trainer, with the faults set) and every other process of the job unchanged."""
+    script = directory / "faulty-exec"
+    script.write_text(f"""#!/bin/bash
+args=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = -m ] && [ "${{2:-}}" = convbert_ds.train ] && [[ " $* " != *" --check-config "* ]]; then
+    args+=({FAULTY_TRAIN} {' '.join(faults)}); shift 2
+  else
+    args+=("$1"); shift
+  fi
+done
+exec "${{args[@]}}"
+""")
+    script.chmod(0o755)
+    return str(script)
+
+
+def store_state(s3_server) -> tuple[list[str], str, set[str]]:
+    """The store's complete tags, what its ``latest`` names, and every tag it holds objects of."""
+    keys = s3_server.snapshot("checkpoints")
+    keys = {k[len("several-nodes/"):]: v for k, v in keys.items()}
+    complete = sorted(k.split("/")[0] for k in keys if k.endswith("/COMPLETE"))
+    return complete, keys.get("latest", b"").decode().strip(), {k.split("/")[0] for k in keys if "/" in k}
+
+
+def same_steps(rows: list[dict], reference: list[dict], steps) -> None:
+    by_step = {r["step"]: r for r in rows}  # the last attempt's row of a step done twice
+    expected = {r["step"]: r for r in reference}
+    for step in steps:
+        for key in KEYS:
+            assert by_step[step][key] == expected[step][key], (step, key, by_step[step][key], expected[step][key])
+
+
+def test_node_local_disks_join_in_the_store_survive_a_failed_upload_and_resume_on_empty_disks(
+        cluster: SlurmCluster, tiny_corpus, s3, tmp_path):
+    reference = tmp_path / "one_node"
+    check(run_training(reference, tiny_corpus["shards"], *FOUR_RANKS, "train.warmup_steps=5", "eval.interval=0",
+                       "deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32", nproc=4,
+                       launcher=NOT_THE_SUBJECT))
+    expected = train_metrics(reference)
+    s3.client().create_bucket(Bucket="checkpoints")
+    run, local = tmp_path / "run", cluster.scratch / "run"
+    args = [*train_args(tiny_corpus["shards"], run, *FOUR_RANKS, f"checkpoint.mirror={MIRROR}"),
+            f"checkpoint.dir={local}"]
+    prefix = faulty_prefix(tmp_path, "--fail-upload", "8", "--kill-during-save", "12")
+
+    first = submit(cluster, tmp_path, "pretrain.sbatch", *args, options=TWO_NODES_SRUN,
+                   env=job_env(cluster, CONVBERT_DS_LAUNCH_PREFIX=prefix))
+    info = cluster.wait_job(first, 300)
+    log = job_log(tmp_path, first)
+    assert info["JobState"] == "FAILED" and info["NodeList"] == "n[1-2]", log[-6000:]
+    assert "launcher=slurm world_size=4" in log and "nodes ok: 2 node(s) x 2 process(es)" in log, log[-6000:]
+    assert f"checkpoint.dir {local} is node-local (2 disks: n1: ranks 0-1; n2: ranks 2-3)" in log, log[-6000:]
+    assert f"uploaded checkpoint step00000004 to {MIRROR} from 2 nodes (n1 " in log
+    assert (f"warning: checkpoint step00000008 not saved in {MIRROR}: n2's upload failed: the store refused the "
+            "upload (injected by a test); latest still names step00000004") in log, log[-6000:]
+    same_steps(train_rows(run), expected, range(1, 13))
+    # Step 8's part from n1 is in the store, but without COMPLETE the tag does not count; latest never moved.
+    complete, latest, present = store_state(s3)
+    assert (complete, latest) == (["step00000004"], "step00000004") and "step00000008" in present
+    # Each node's disk holds the files of its own ranks only: the two parts are disjoint, and whole together.
+    parts = {node: {p.name for p in (cluster.disk(node) / "run" / "step00000004").iterdir()} for node in cluster.nodes}
+    assert parts["n1"].isdisjoint(parts["n2"]), parts
+    assert {"rng_rank00002.pt", "rng_rank00003.pt"} <= parts["n2"] and "trainer_state.json" in parts["n1"]
+    manifest = json.loads(s3.snapshot("checkpoints")["several-nodes/step00000004/COMPLETE"])
+    assert set(manifest["files"]) == parts["n1"] | parts["n2"] and manifest["world_size"] == 4
+    assert not (cluster.disk("n1") / "run" / "step00000008").exists()  # a failed save's part is removed
+
+    for node in cluster.nodes:  # new machines: nothing on their disks
+        shutil.rmtree(cluster.disk(node) / "run")
+    second = submit(cluster, tmp_path, "pretrain_deepspeed.sbatch", *args, options=TWO_NODES_DEEPSPEED)
+    info = cluster.wait_job(second, 300)
+    log = job_log(tmp_path, second)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-6000:]
+    assert "launcher=torch world_size=4" in log and "--node_rank=1" in log, log[-6000:]
+    assert log.count(f"downloaded checkpoint step00000004 from {MIRROR} into {local}") == 2, log[-6000:]  # a node each
+    assert f"resumed from {local}/step00000004 at step 4" in log
+    same_steps(train_rows(run), expected, range(1, STEPS + 1))
+    complete, latest, present = store_state(s3)
+    assert (complete, latest) == (["step00000012", "step00000016"], "step00000016"), (complete, present)
+    for node in cluster.nodes:  # keep_last=2 on each node's disk as in the store
+        assert sorted(p.name for p in (cluster.disk(node) / "run").iterdir() if p.name.startswith("step")) == \
+            ["step00000012", "step00000016"]
+
+
+def test_the_trainer_itself_refuses_node_local_disks_without_a_mirror_in_one_line(cluster, tiny_corpus, tmp_path):
+    """Started without the job scripts' checks (``srun python -m convbert_ds.train`` on 2 nodes), the trainer
+    finds that each node sees only its own files in ``checkpoint.dir`` and stops before building anything."""
+    local = cluster.scratch / "no-mirror"
+    command = " ".join(["srun", sys.executable, "-u", "-m", "convbert_ds.train", "--config",
+                        *(shlex.quote(a) for a in train_args(tiny_corpus["shards"], tmp_path / "run",
+                                                             "train.micro_batch_size=4", f"checkpoint.dir={local}"))])
+    job = sbatch(cluster, tmp_path, "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                 f"--output={tmp_path}/refused-%j.out", f"--chdir={REPO}", "--wrap", command)
+    info = cluster.wait_job(job, 180)
+    text = (tmp_path / f"refused-{job}.out").read_text()
+    assert info["JobState"] == "FAILED", text[-4000:]
+    assert (f"error: checkpoint.dir={local} is not shared: files written there on n2 are not visible on n1; put "
+            "checkpoint.dir on a filesystem every node mounts, or set checkpoint.mirror=s3://BUCKET/PREFIX") in text
+    assert "Traceback" not in text and "step 1/" not in text, text[-4000:]

@@ -122,13 +122,14 @@ def refuse_non_empty(path, force: bool, error: type[UserError] = UserError) -> N
         raise error(f"{path} exists and is not empty; pass {FORCE_FLAG} to replace it")
 
 
-def truncate_jsonl(path: Path, step: int) -> None:
+def truncate_jsonl(path: Path, step: int) -> list[dict]:
     """Keep the JSON lines whose ``step`` is at most ``step``: a run resumed from that step logs the rest
-    again, so its log ends up as an uninterrupted run's."""
-    if path.is_file():
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+    again, so its log ends up as an uninterrupted run's. Returns the rows dropped."""
+    if not path.is_file():
+        return []
+    rows = [(line, json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    path.write_text("".join(line + "\n" for line, row in rows if row.get("step", 0) <= step))
+    return [row for _, row in rows if row.get("step", 0) > step]
 
 
 def file_name_part(text: str) -> str:

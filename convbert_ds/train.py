@@ -7,7 +7,8 @@
 
 Rerunning the same command resumes from the newest complete checkpoint.
 SIGUSR1/SIGTERM: the current step finishes, a checkpoint is saved, and the
-process exits with code 3 (``EXIT_PREEMPTED``) so a job script can requeue.
+process exits with code 3 (``EXIT_PREEMPTED``) so a job script can requeue. A rank whose peer is gone
+(a killed process, a dead node) says so in one line and exits with code 5 (``distributed.EXIT_PEER_LOST``).
 
     python -m convbert_ds.train --config CONFIG.yaml [key=value ...] --check-config [--world-size N]
     python -m convbert_ds.train --config CONFIG.yaml [key=value ...] --print-config
@@ -33,7 +34,7 @@ from convbert_ds.formats.train_config import describe_keys, load_config, option_
 from convbert_ds.engine.trainer import EXIT_PREEMPTED, Preemption, Trainer, TrainingError
 from convbert_ds.cli import ArgumentParser, bounded
 from convbert_ds.errors import EXIT_USER_ERROR, UserError
-from convbert_ds.log import get_logger
+from convbert_ds.log import EVERY_RANK, get_logger
 
 log = get_logger(__name__)
 
@@ -124,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         # every rank reads the same files and stops alike; rank 0's line is the one to read.
         log.error(f"error: {error}")
         return EXIT_USER_ERROR
+    except RuntimeError as error:
+        said = distributed.lost_peer(error)  # a killed rank or a dead node: one line on each rank that is left
+        if said is None:
+            raise
+        log.error(said, extra=EVERY_RANK)
+        return distributed.EXIT_PEER_LOST
     if code == 0:
         where = trainer.ckpt_dir if trainer.disk.shared else cfg.checkpoint.mirror  # node-local: whole only there
         log.info(f"done: {trainer.step} steps; checkpoints in {where}; logs in {cfg.log_dir}")

@@ -6,10 +6,13 @@
 # cbd_check_nodes PROCS_PER_NODE          every node: processes vs GPUs, checkpoint dir writable + shared
 #                                         (or node-local, with checkpoint.mirror set)
 # cbd_run COMMAND...                      run the training step; SIGUSR1/SIGTERM reach it as SIGUSR1
+# cbd_nodes_lost                          after a failed step: did Slurm take dead nodes out of the job?
+#                                         (then the step is started again on the nodes that are left)
 # cbd_gpus_on_node                        GPUs on this node (Slurm's allocation, else nvidia-smi)
 # cbd_finish                              exit, or requeue the job when the trainer was preempted
 
 EXIT_PREEMPTED=3  # convbert_ds.train: checkpoint saved after SIGUSR1/SIGTERM
+EXIT_NOT_SAVED=4  # convbert_ds.train: the run's last save failed
 
 cbd_log() { echo "[$(date '+%F %T')] ${CBD_NAME:-convbert_ds}: $*"; }
 cbd_die() { echo "[$(date '+%F %T')] ${CBD_NAME:-convbert_ds}: error: $*" >&2; cbd_close_log; exit 2; }
@@ -222,6 +225,39 @@ cbd_run() {
     kill "$CBD_RESENDER_PID" 2>/dev/null || true
     CBD_RESENDER_PID=""
   fi
+}
+
+# After a training step that failed: whether Slurm took nodes out of this job because they stopped
+# answering (with --no-kill a dead node is excised from the allocation after SlurmdTimeout and the job
+# goes on). Waits while a node of the job is "not responding", up to CONVBERT_DS_NODE_LOSS_WAIT seconds
+# (default 120). Returns 0 when nodes were lost and at least one is left, with CBD_LOST (the lost nodes)
+# set and SLURM_JOB_NODELIST and friends updated for the next srun.
+cbd_nodes_lost() {
+  local waited=0 patience=${CONVBERT_DS_NODE_LOSS_WAIT:-120} before now node silent
+  case "$CBD_STATUS" in 0 | "$EXIT_PREEMPTED" | "$EXIT_NOT_SAVED" | 2) return 1 ;; esac
+  [ -z "$CBD_SIGNAL" ] || return 1
+  before=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  while :; do
+    now=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *NodeList=\([^ ]*\).*/\1/p' | head -n 1)
+    silent=""
+    for node in $(scontrol show hostnames "$now"); do
+      case "$(sinfo -h -N -n "$node" -o %T | head -n 1)" in *'*'*) silent="$silent $node" ;; esac
+    done
+    CBD_LOST=""
+    for node in $before; do
+      grep -qx "$node" < <(scontrol show hostnames "$now") || CBD_LOST="$CBD_LOST $node"
+    done
+    [ -n "$silent" ] || [ -n "$CBD_LOST" ] || [ "$waited" -ge 5 ] || { sleep 1; waited=$((waited + 1)); continue; }
+    [ -n "$silent" ] && [ "$waited" -lt "$patience" ] && { sleep 1; waited=$((waited + 1)); continue; }
+    break
+  done
+  [ -n "$CBD_LOST" ] && [ -n "$now" ] || return 1
+  local count
+  count=$(scontrol show hostnames "$now" | wc -l)
+  export SLURM_JOB_NODELIST=$now SLURM_NODELIST=$now SLURM_JOB_NUM_NODES=$count SLURM_NNODES=$count
+  export SLURM_TASKS_PER_NODE="$CBD_TASKS_PER_NODE(x$count)" SLURM_NTASKS=$((count * CBD_TASKS_PER_NODE))
+  export SLURM_NPROCS=$SLURM_NTASKS SLURM_JOB_CPUS_PER_NODE="${SLURM_JOB_CPUS_PER_NODE%%(*}(x$count)"
+  return 0
 }
 
 cbd_finish() {

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -217,6 +218,27 @@ def on_ranks(work: Callable[[], T], mine: bool, group=None) -> list[T | None]:
         if not ok:
             raise value
     return [value for _, value in outcomes]
+
+
+EXIT_PEER_LOST = 5  # a collective lost a peer: another rank's process or its node is gone
+# What gloo and NCCL say when the other end of a collective went away (a killed process, a dead node).
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Connection refused", "Broken pipe",
+              "remote process exited or there was a network error")
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The one line to say when ``error`` is a collective that lost its peer, else None: which rank, and the
+    address gloo names (the peer's host and port), instead of a traceback on every surviving rank."""
+    text = str(error)
+    said = next((marker for marker in _PEER_LOST if marker in text), None)
+    if said is None or not isinstance(error, RuntimeError):
+        return None
+    address = _PEER_ADDRESS.search(text)
+    peer = f"{address.group(1)}:{address.group(2)}, " if address else ""
+    return (f"error: rank {rank()} lost its connection to another rank ({peer}{said.lower()}): a process or a node "
+            f"of the run is gone; exiting with code {EXIT_PEER_LOST}, the job script resumes on the nodes that are "
+            "left from the newest complete checkpoint")
 
 
 def exit_process(code: int) -> NoReturn:

@@ -39,6 +39,20 @@ RUN_ID_FILE = "wandb_run_id"
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
+def _say_redone(rows: list[dict], start_step: int) -> None:
+    """What a restart costs in training: the steps after ``start_step`` an earlier attempt had logged, and
+    their time at that attempt's own speed (its samples/s and samples per step)."""
+    if not rows or "samples_per_s" not in rows[-1]:
+        return
+    per_step = rows[-1]["consumed_samples"] / rows[-1]["step"]
+    seconds, before = 0.0, start_step
+    for row in sorted(rows, key=lambda r: r["step"]):
+        seconds += per_step * (row["step"] - before) / max(row.get("samples_per_s") or 0.0, 1e-9)
+        before = row["step"]
+    log.info(f"steps {start_step + 1}-{before} were trained before this restart and are trained again (about "
+             f"{seconds:.1f} s of training at that attempt's speed)")
+
+
 class MetricsLog:
     def __init__(self, log_dir: Path, start_step: int, enabled: bool, section: LogSection | None = None,
                  run_config: dict | None = None):
@@ -50,7 +64,8 @@ class MetricsLog:
         if not enabled:
             return
         log_dir.mkdir(parents=True, exist_ok=True)
-        truncate_jsonl(self.path, start_step)
+        _say_redone([row for row in truncate_jsonl(self.path, start_step) if row.get("split") == "train"],
+                    start_step)
         if self.csv_path is not None:
             _truncate_csv(self.csv_path, start_step)
         self.writer = SummaryWriter(str(log_dir / "tensorboard"), purge_step=start_step + 1)

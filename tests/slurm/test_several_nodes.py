@@ -11,16 +11,19 @@ One run is cut and finished, and every step of it equals a one-node run's with t
 """
 
 import json
+import re
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from launch import FAULTY_TRAIN, NOT_THE_SUBJECT, REPO, check, run_training, train_metrics
 from slurm_cluster import SlurmCluster
-from test_slurm import job_env, job_log, sbatch, submit, train_args, train_rows
+from test_slurm import (expect_completed, job_env, job_log, preempt, sbatch, submit, train_args, train_rows,
+                        wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -134,3 +137,34 @@ def test_the_trainer_itself_refuses_node_local_disks_without_a_mirror_in_one_lin
     assert (f"error: checkpoint.dir={local} is not shared: files written there on n2 are not visible on n1; put "
             "checkpoint.dir on a filesystem every node mounts, or set checkpoint.mirror=s3://BUCKET/PREFIX") in text
     assert "Traceback" not in text and "step 1/" not in text, text[-4000:]
+
+
+def test_a_lost_node_the_run_goes_on_with_the_nodes_left_then_grows_back(cluster, tiny_corpus, tmp_path):
+    """2 nodes x 2 ranks with ``--nodes=1-2``; node n2 killed mid-run (every process of it, as a dead machine
+    leaves them): the ranks on n1 stop with one line each, Slurm takes n2 out of the job, and the script starts
+    the training step again on n1 alone (2 ranks, gradient accumulation 2: the global batch held) from the
+    newest complete checkpoint. n2 comes back; a preemption requeues the job, and the next attempt runs on both
+    nodes again. No sample is skipped or repeated: step N's consumed count is N x the global batch."""
+    run = tmp_path / "run"
+    args = train_args(tiny_corpus["shards"], run, "train.steps=24", "train.micro_batch_size=4", "checkpoint.interval=4")
+    job = submit(cluster, tmp_path, "pretrain.sbatch", *args,
+                 options=("--nodes=1-2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--time=30"))
+    wait_for(lambda: train_rows(run) and train_rows(run)[-1]["step"] >= 10, 240, "training did not reach step 10")
+    top, killed = train_rows(run)[-1]["step"], time.monotonic()
+    cluster.kill_node("n2")
+    wait_for(lambda: any(r["step"] > top for r in train_rows(run)), 300, "the run did not go on without n2")
+    print(f"node loss: {time.monotonic() - killed:.1f} s from the kill to a step past the last one before it")
+    cluster.start_node("n2")
+    preempt(cluster, tmp_path, job, top + 2, "--signal=USR1", "--batch")
+    info = expect_completed(cluster, job, tmp_path, timeout=400)
+    log = job_log(tmp_path, job)
+    assert "attempt 1 on 2 node(s) (n[1-2])" in log and "launcher=slurm world_size=4" in log, log[-6000:]
+    assert log.count("lost its connection to another rank") == 2, log[-6000:]  # ranks 0 and 1, one line each
+    assert "error: rank 0 lost its connection to another rank" in log and "Traceback" not in log, log[-6000:]
+    assert "node(s) n2 lost; resuming on 1 node(s) x 2 process(es) (n1)" in log, log[-6000:]
+    assert "launcher=slurm world_size=2" in log and "grad_accum=2" in log
+    assert re.search(r"steps \d+-\d+ were trained before this restart and are trained again", log), log[-6000:]
+    assert info["Restarts"] == "1" and "attempt 2 on 2 node(s) (n[1-2])" in log, log[-6000:]  # grown back
+    rows = train_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    assert [r["consumed_samples"] for r in rows] == [16 * r["step"] for r in rows]

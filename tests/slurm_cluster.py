@@ -37,7 +37,8 @@ from pathlib import Path
 
 MARKER = "CONVBERT_DS_TEST_SLURM"
 DAEMONS = ("slurmctld", "slurmd")
-SLURMD_TIMEOUT = 10  # seconds without an answer before slurmctld marks a node down (the least it accepts: 1)
+SLURMD_TIMEOUT = 15  # seconds without an answer before slurmctld marks a node down: short, but not so short that a
+# node on a busy 2-core CI machine is taken for dead
 SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 
 

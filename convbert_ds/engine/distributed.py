@@ -237,8 +237,8 @@ def lost_peer(error: BaseException) -> str | None:
     address = _PEER_ADDRESS.search(text)
     peer = f"{address.group(1)}:{address.group(2)}, " if address else ""
     return (f"error: rank {rank()} lost its connection to another rank ({peer}{said.lower()}): a process or a node "
-            f"of the run is gone; exiting with code {EXIT_PEER_LOST}, the job script resumes on the nodes that are "
-            "left from the newest complete checkpoint")
+            f"of the run is gone; exiting with code {EXIT_PEER_LOST} (started again, by the job script or an elastic "
+            "torchrun, the run resumes on the nodes left from its newest complete checkpoint)")
 
 
 def exit_process(code: int) -> NoReturn:

@@ -49,8 +49,9 @@ def _say_redone(rows: list[dict], start_step: int) -> None:
     for row in sorted(rows, key=lambda r: r["step"]):
         seconds += per_step * (row["step"] - before) / max(row.get("samples_per_s") or 0.0, 1e-9)
         before = row["step"]
-    log.info(f"steps {start_step + 1}-{before} were trained before this restart and are trained again (about "
-             f"{seconds:.1f} s of training at that attempt's speed)")
+    steps = f"step {before} was" if before == start_step + 1 else f"steps {start_step + 1}-{before} were"
+    log.info(f"{steps} trained before this restart and {'is' if before == start_step + 1 else 'are'} trained again "
+             f"(about {seconds:.1f} s of training at that attempt's speed)")
 
 
 class MetricsLog:

@@ -6,9 +6,10 @@ or one disk per node (node-local scratch, the same path on every node) whose che
 a directory named by a token rank 0 draws, and the ranks compare which of those files each of them sees.
 Everybody sees everybody's: shared. The ranks fall into groups that see exactly each other's files (the
 ranks of one node): node-local. A network filesystem may show another node's files late, so a verdict
-other than "shared" is taken only after ``SETTLE_S`` seconds of looking again; one that is still neither is
-an error. A shared disk taken for node-local ones (files later than that) still checkpoints correctly when
-there is a mirror, only with every node uploading the same files.
+other than "shared" is taken only after looking again for ``SETTLE_S`` seconds (when a node-local verdict
+would stop the run, as long as the Slurm scripts' own check waits: ``CONVBERT_DS_SHARED_DISK_WAIT``, default
+30); one that is still neither is an error. A shared disk taken for node-local ones (files later than that) still checkpoints
+correctly with a mirror, only with every node uploading the same files.
 
 On node-local disks each node's first rank is its directory's keeper (what rank 0 does on a shared disk:
 removing interrupted saves, choosing and verifying the tag to resume, converting it to another layout,
@@ -19,6 +20,7 @@ builds anything, in one line naming both ways out.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import time
@@ -67,7 +69,8 @@ def probe(directory: Path, mirror: str | None) -> CheckpointDisk:
     (where / f"rank{rank:05d}").write_text(socket.gethostname() + "\n")
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname().split(".")[0])
-    deadline = time.monotonic() + SETTLE_S
+    settle = SETTLE_S if mirror else float(os.environ.get("CONVBERT_DS_SHARED_DISK_WAIT", "30"))
+    deadline = time.monotonic() + settle
     while True:
         dist.barrier()
         seen = sorted(int(p.name[4:]) for p in where.iterdir() if p.name.startswith("rank"))
@@ -92,7 +95,7 @@ def probe(directory: Path, mirror: str | None) -> CheckpointDisk:
         return CheckpointDisk(directory, shared=True, keeper=rank == 0, disks=1, group_ranks=tuple(everyone))
     if verdict == "neither":
         raise UserError(f"checkpoint.dir={directory}: the ranks see each other's files there inconsistently "
-                        f"after {SETTLE_S:.0f} s (which ranks each rank saw: {views}); use a directory every "
+                        f"after {settle:.0f} s (which ranks each rank saw: {views}); use a directory every "
                         "node mounts, or one node-local path with checkpoint.mirror set")
     mine = next(block for block in blocks if rank in block)
     if not mirror:

@@ -24,12 +24,13 @@ def node_part(root, node: str, files: dict[str, bytes]):
 
 @pytest.fixture
 def two_parts(s3, tmp_path):
-    """Two nodes' parts of TAG, and a store prefix of this test's own (the server lives for the session)."""
-    s3.client().create_bucket(Bucket="checkpoints")
+    """Two nodes' parts of TAG, and a store prefix of this test's own in a bucket no other test file uses (the
+    server lives for the session)."""
+    s3.client().create_bucket(Bucket="parts")
     n1 = node_part(tmp_path, "n1", {"mp_rank_00_model_states.pt": b"weights", "trainer_state.json": b"{}",
                                     "rng_rank00000.pt": b"r0"})
     n2 = node_part(tmp_path, "n2", {"zero_pp_rank_1_mp_rank_00_optim_states.pt": b"adam", "rng_rank00001.pt": b"r1"})
-    return n1, n2, f"s3://checkpoints/{tmp_path.name}"
+    return n1, n2, f"s3://parts/{tmp_path.name}"
 
 
 def test_the_tag_is_complete_once_every_part_is_in_and_downloads_whole(two_parts, tmp_path):

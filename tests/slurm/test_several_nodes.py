@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 16
 FOUR_RANKS = (f"train.steps={STEPS}", "train.micro_batch_size=4", "checkpoint.interval=4", "checkpoint.keep_last=2")
-MIRROR = "s3://checkpoints/several-nodes"
+MIRROR = "s3://several-nodes/run"  # a bucket of this file's own: the S3 server lives for the session
 TWO_NODES_SRUN = ("--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1", "--time=30")
 TWO_NODES_DEEPSPEED = ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=2", "--cpus-per-task=2", "--time=30")
 KEYS = ("loss", "mlm_loss", "rtd_loss", "grad_norm", "consumed_samples")
@@ -56,8 +56,7 @@ exec "${{args[@]}}"
 
 def store_state(s3_server) -> tuple[list[str], str, set[str]]:
     """The store's complete tags, what its ``latest`` names, and every tag it holds objects of."""
-    keys = s3_server.snapshot("checkpoints")
-    keys = {k[len("several-nodes/"):]: v for k, v in keys.items()}
+    keys = {k[len("run/"):]: v for k, v in s3_server.snapshot("several-nodes").items()}
     complete = sorted(k.split("/")[0] for k in keys if k.endswith("/COMPLETE"))
     return complete, keys.get("latest", b"").decode().strip(), {k.split("/")[0] for k in keys if "/" in k}
 
@@ -77,7 +76,7 @@ def test_node_local_disks_join_in_the_store_survive_a_failed_upload_and_resume_o
                        "deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32", nproc=4,
                        launcher=NOT_THE_SUBJECT))
     expected = train_metrics(reference)
-    s3.client().create_bucket(Bucket="checkpoints")
+    s3.client().create_bucket(Bucket="several-nodes")
     run, local = tmp_path / "run", cluster.scratch / "run"
     args = [*train_args(tiny_corpus["shards"], run, *FOUR_RANKS, f"checkpoint.mirror={MIRROR}"),
             f"checkpoint.dir={local}"]
@@ -101,7 +100,7 @@ def test_node_local_disks_join_in_the_store_survive_a_failed_upload_and_resume_o
     parts = {node: {p.name for p in (cluster.disk(node) / "run" / "step00000004").iterdir()} for node in cluster.nodes}
     assert parts["n1"].isdisjoint(parts["n2"]), parts
     assert {"rng_rank00002.pt", "rng_rank00003.pt"} <= parts["n2"] and "trainer_state.json" in parts["n1"]
-    manifest = json.loads(s3.snapshot("checkpoints")["several-nodes/step00000004/COMPLETE"])
+    manifest = json.loads(s3.snapshot("several-nodes")["run/step00000004/COMPLETE"])
     assert set(manifest["files"]) == parts["n1"] | parts["n2"] and manifest["world_size"] == 4
     assert not (cluster.disk("n1") / "run" / "step00000008").exists()  # a failed save's part is removed
 
@@ -130,7 +129,8 @@ def test_the_trainer_itself_refuses_node_local_disks_without_a_mirror_in_one_lin
                         *(shlex.quote(a) for a in train_args(tiny_corpus["shards"], tmp_path / "run",
                                                              "train.micro_batch_size=4", f"checkpoint.dir={local}"))])
     job = sbatch(cluster, tmp_path, "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
-                 f"--output={tmp_path}/refused-%j.out", f"--chdir={REPO}", "--wrap", command)
+                 f"--output={tmp_path}/refused-%j.out", f"--chdir={REPO}", "--wrap", command,
+                 env=job_env(cluster, CONVBERT_DS_SHARED_DISK_WAIT="3"))
     info = cluster.wait_job(job, 180)
     text = (tmp_path / f"refused-{job}.out").read_text()
     assert info["JobState"] == "FAILED", text[-4000:]

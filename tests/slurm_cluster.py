@@ -37,8 +37,8 @@ from pathlib import Path
 
 MARKER = "CONVBERT_DS_TEST_SLURM"
 DAEMONS = ("slurmctld", "slurmd")
-SLURMD_TIMEOUT = 15  # seconds without an answer before slurmctld marks a node down: short, but not so short that a
-# node on a busy 2-core CI machine is taken for dead
+SLURMD_TIMEOUT = 10  # seconds without an answer before slurmctld marks a node down (a dead node is noticed in
+# about 20-30 s)
 SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 
 
@@ -213,8 +213,9 @@ PartitionName=ci Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State
                   f"mount --bind {self.root / 'hosts'} /etc/hosts && "
                   f"exec {find_daemon('slurmd')} -D -f {self.conf} -N {node}")
         self._spawn(node, ["unshare", "--uts", "--mount", "--propagation", "private", "bash", "-c", inside])
-        if wait:
-            self._wait(lambda: self._idle([node]), timeout, f"node {node} did not come back")
+        if wait:  # answering again; it may still be finishing the steps it had when it died (completing)
+            self._wait(lambda: self._answering(node), timeout,
+                       f"node {node} did not come back (state {self.node_state(node)!r})")
 
     def kill_node(self, node: str) -> list[int]:
         """Kill every process of node ``node`` (its slurmd, its job steps, their children) at once, as a
@@ -241,6 +242,10 @@ PartitionName=ci Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State
         with open(self.log_dir / f"{name}.stderr", "a") as log:
             self.processes[name] = subprocess.Popen(command, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
                                                     start_new_session=True)
+
+    def _answering(self, node: str) -> bool:
+        state = self.node_state(node)
+        return bool(state) and "*" not in state and not state.startswith(("down", "drain", "fail"))
 
     def _idle(self, nodes: list[str]) -> bool:
         for name, process in self.processes.items():

@@ -210,7 +210,7 @@ def finish(save: Staged, keep_last: int, device, group=None, mirror: str | None 
     URL rank 0 then uploads the tag to (``_commit_to_store``). ``disk``: where ``save.directory`` lives; on
     node-local disks the tag is complete only in the mirror, once every node's part is there (``_commit_parts``)."""
     directory, step, writes, rank = save.directory, save.step, save.writes, dist.get_rank()
-    disk = disk or one_disk(directory)
+    disk = disk or one_disk()
     tag, tag_dir = save.tag, save.directory / save.tag
     for state, path in save.staged:
         writes.attempt(writes.engine_save, state, path)
@@ -380,7 +380,7 @@ class RunSaves:
     def __init__(self, engine, cfg, train_steps: int, after_save, disk: CheckpointDisk | None = None):
         deepspeed_seam.check_checkpoint_writes(engine)  # a DeepSpeed that moved them fails here, not at a save
         self.engine, self.directory, self.cfg, self.train_steps = engine, Path(cfg.dir), cfg, train_steps
-        self.disk = disk or one_disk(self.directory)
+        self.disk = disk or one_disk()
         self.after_save = after_save  # after_save(step, the tag's directory or URL), on rank 0: the probes
         self.background = (BackgroundSave(cfg.keep_last, cfg.mirror, self.disk) if cfg.background  # every rank
                            else None)

@@ -8,8 +8,8 @@ Everybody sees everybody's: shared. The ranks fall into groups that see exactly 
 ranks of one node): node-local. A network filesystem may show another node's files late, so a verdict
 other than "shared" is taken only after looking again for ``SETTLE_S`` seconds (when a node-local verdict
 would stop the run, as long as the Slurm scripts' own check waits: ``CONVBERT_DS_SHARED_DISK_WAIT``, default
-30); one that is still neither is an error. A shared disk taken for node-local ones (files later than that) still checkpoints
-correctly with a mirror, only with every node uploading the same files.
+30); one that is still neither is an error. A shared disk taken for node-local ones (files later than that)
+still checkpoints correctly with a mirror, only with every node uploading the same files.
 
 On node-local disks each node's first rank is its directory's keeper (what rank 0 does on a shared disk:
 removing interrupted saves, choosing and verifying the tag to resume, converting it to another layout,
@@ -43,16 +43,14 @@ class UnsharedCheckpointDir(UserError):
 
 @dataclass(frozen=True)
 class CheckpointDisk:
-    directory: Path
     shared: bool  # every rank sees the same files there
     keeper: bool  # this rank does the directory's own work: rank 0 on a shared disk, each node's first rank else
-    disks: int  # 1 when shared, else the number of nodes
     group_ranks: tuple[int, ...] = ()  # the ranks that see this rank's directory (its node's, when node-local)
 
 
-def one_disk(directory: Path) -> CheckpointDisk:
+def one_disk() -> CheckpointDisk:
     """A run without a process group, or one process: its own directory."""
-    return CheckpointDisk(Path(directory), shared=True, keeper=True, disks=1, group_ranks=(0,))
+    return CheckpointDisk(shared=True, keeper=True, group_ranks=(0,))
 
 
 def probe(directory: Path, mirror: str | None) -> CheckpointDisk:
@@ -60,7 +58,7 @@ def probe(directory: Path, mirror: str | None) -> CheckpointDisk:
     ``UnsharedCheckpointDir`` (on every rank) for node-local disks without a mirror."""
     directory = Path(directory)
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return one_disk(directory)
+        return one_disk()
     rank, world = dist.get_rank(), dist.get_world_size()
     token = [uuid.uuid4().hex[:12] if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
@@ -92,7 +90,7 @@ def probe(directory: Path, mirror: str | None) -> CheckpointDisk:
     dist.barrier()
     shutil.rmtree(where, ignore_errors=True)  # empty by now; every rank tries, one per disk succeeds
     if verdict == "shared":
-        return CheckpointDisk(directory, shared=True, keeper=rank == 0, disks=1, group_ranks=tuple(everyone))
+        return CheckpointDisk(shared=True, keeper=rank == 0, group_ranks=tuple(everyone))
     if verdict == "neither":
         raise UserError(f"checkpoint.dir={directory}: the ranks see each other's files there inconsistently "
                         f"after {settle:.0f} s (which ranks each rank saw: {views}); use a directory every "
@@ -109,8 +107,7 @@ def probe(directory: Path, mirror: str | None) -> CheckpointDisk:
                  + "; ".join(f"{hosts[b[0]]}: ranks {b[0]}-{b[-1]}" for b in blocks)
                  + f"); each node uploads its own part of a checkpoint to {mirror}, which is complete once "
                    "every part is there")
-    return CheckpointDisk(directory, shared=False, keeper=rank == mine[0], disks=len(blocks),
-                          group_ranks=tuple(mine))
+    return CheckpointDisk(shared=False, keeper=rank == mine[0], group_ranks=tuple(mine))
 
 
 def _partition(views: list[list[int]]) -> list[list[int]] | None:

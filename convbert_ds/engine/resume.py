@@ -40,7 +40,7 @@ def resume(plan: RunPlan, engine, train_loader, disk: CheckpointDisk | None = No
     where ``checkpoint.dir`` lives; each disk's keeper (rank 0 on a shared one, each node's first rank on
     node-local ones) tidies and checks its own copy."""
     ckpt_dir = Path(plan.cfg.checkpoint.dir)
-    disk = disk or one_disk(ckpt_dir)
+    disk = disk or one_disk()
     if disk.keeper:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         removed = tags.remove_incomplete(ckpt_dir)

@@ -116,8 +116,7 @@ def test_every_benchmark_script_is_found():
     that take a command line."""
     top = [module for module in BENCHMARKS if module.count(".") == 1]
     assert len(top) == 15 and "benchmarks.common" not in top, top
-    assert {"benchmarks.gpu.acceptance", "benchmarks.analysis.interpreted_step", "benchmarks.analysis.trace_summary",
-            "benchmarks.analysis.step_ops", "benchmarks.analysis.flop_count"} <= set(BENCHMARKS), BENCHMARKS
+    assert {"benchmarks.gpu.acceptance", "benchmarks.analysis.trace_summary", "benchmarks.analysis.step_ops", "benchmarks.analysis.flop_count"} <= set(BENCHMARKS), BENCHMARKS
 
 
 def test_every_number_option_declares_its_range():

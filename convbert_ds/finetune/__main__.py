@@ -17,46 +17,12 @@ import torch.distributed as dist
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.engine.distributed import exit_process
 from convbert_ds.finetune.errors import FinetuneError
-from convbert_ds.finetune.recipe import PRECISIONS, RANGES, Recipe
+from convbert_ds.finetune.recipe import Recipe, add_recipe_options
 from convbert_ds.finetune.run import RunSpec, run
 from convbert_ds.finetune.squad import SQUAD_TASKS, QATask, read_squad
 from convbert_ds.finetune.tagging import TAGGING_TASKS, TaggingTask, label_set, read_conll
 from convbert_ds.finetune.tasks import TASK_TYPES, read_custom, read_glue
 from convbert_ds.fsutil import FORCE_FLAG
-
-
-def _recipe_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("recipe (defaults: ConvBERT Table 6 and ELECTRA's fine-tuning settings)")
-    helps = {
-        "learning_rate": "peak LR (None: by model width, 3e-4 below 512 wide, 1e-4 up to 768, else 5e-5)",
-        "layerwise_lr_decay": "LR factor per layer below the top (1 turns the decay off)",
-        "weight_decay": "AdamW weight decay (not on biases and LayerNorm weights)",
-        "warmup_fraction": "share of the steps with linear LR warm-up",
-        "epochs": "training epochs (None: 3, or 10 for RTE and STS-B, 2 for SQuAD)",
-        "batch_size": "training examples per step, over all ranks",
-        "eval_batch_size": "examples per evaluation batch",
-        "max_seq_length": "tokens per example (longer ones are truncated; None: 128, 512 for SQuAD's windows, "
-                          "256 for tagging, at most the model's positions)",
-        "dropout": "classifier and body dropout (None: the model's hidden_dropout_prob)",
-        "adam_beta1": "AdamW beta1",
-        "adam_beta2": "AdamW beta2",
-        "adam_epsilon": "AdamW epsilon",
-        "grad_clip": "max gradient norm (0 turns clipping off)",
-        "first_seed": "the first fine-tuning seed",
-        "precision": f"{PRECISIONS}; auto = bf16 on a GPU, fp32 on CPU",
-        "seeds": "fine-tune this many seeds (first-seed, first-seed+1, ...) and report the median",
-        "examples_per_class": "low-resource runs: this many training examples per class (one seeded subset)",
-        "max_train_examples": "train on at most this many examples (one seeded subset)",
-        "save_steps": "write the resumable state every N steps (and after every epoch)",
-        "eval_every_epochs": "evaluate after every N-th epoch and after the last (0: after the last only; "
-                             "training is the same either way, so the final metrics are too)",
-        "group_by_length": "sort every N consecutive batches' examples by length before cutting them, then "
-                           "shuffle the batches: less padding, so faster on texts of mixed length (0: off)",
-    }
-    for field in dataclasses.fields(Recipe):
-        choices = PRECISIONS if field.name == "precision" else None
-        group.add_argument(f"--{field.name.replace('_', '-')}", type=RANGES.get(field.name, str), choices=choices,
-                           default=field.default, help=helps[field.name])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -87,7 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     custom.add_argument("--label-column", help="the column holding the label")
     custom.add_argument("--task-type", choices=TASK_TYPES, help="None: regression if every train label is a number "
                         "and one is not whole, else classification")
-    _recipe_options(parser)
+    add_recipe_options(parser)
     return parser.parse_args(argv)
 
 

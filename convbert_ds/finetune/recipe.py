@@ -9,6 +9,7 @@ Every field can be set on the command line; ``None`` means "the default for this
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -80,8 +81,7 @@ class Recipe:
             learning_rate=self.learning_rate or default_learning_rate(model.hidden_size),
             epochs=self.epochs or (10.0 if task_name in _LONG_TASKS else 2.0 if task_name in _TWO_EPOCH_TASKS else 3.0),
             # the task's default length, no longer than the model's positions; a length asked for is checked below
-            max_seq_length=self.max_seq_length or min(_MAX_SEQ_LENGTHS.get(task_name, 128),
-                                                      model.max_position_embeddings),
+            max_seq_length=self.max_seq_length or min(task_max_seq_length(task_name), model.max_position_embeddings),
             dropout=model.hidden_dropout_prob if self.dropout is None else self.dropout,
             precision=("bf16" if cuda else "fp32") if self.precision == "auto" else self.precision)
         if resolved.max_seq_length > model.max_position_embeddings:
@@ -92,8 +92,48 @@ class Recipe:
         return resolved
 
 
+def task_max_seq_length(task_name: str) -> int:
+    """The recipe's length for a task: 128, or ELECTRA's own where it differs."""
+    return _MAX_SEQ_LENGTHS.get(task_name, 128)
+
+
 def default_learning_rate(hidden_size: int) -> float:
     """ELECTRA's fine-tuning rates: small (256) 3e-4, base (768) 1e-4, large (1024) 5e-5."""
     if hidden_size < 512:
         return 3e-4
     return 1e-4 if hidden_size <= 768 else 5e-5
+
+
+def add_recipe_options(parser: argparse.ArgumentParser) -> None:
+    """The recipe's fields as command-line options (fine-tuning's and the evaluation's)."""
+    group = parser.add_argument_group("recipe (defaults: ConvBERT Table 6 and ELECTRA's fine-tuning settings)")
+    helps = {
+        "learning_rate": "peak LR (None: by model width, 3e-4 below 512 wide, 1e-4 up to 768, else 5e-5)",
+        "layerwise_lr_decay": "LR factor per layer below the top (1 turns the decay off)",
+        "weight_decay": "AdamW weight decay (not on biases and LayerNorm weights)",
+        "warmup_fraction": "share of the steps with linear LR warm-up",
+        "epochs": "training epochs (None: 3, or 10 for RTE and STS-B, 2 for SQuAD)",
+        "batch_size": "training examples per step, over all ranks",
+        "eval_batch_size": "examples per evaluation batch",
+        "max_seq_length": "tokens per example (longer ones are truncated; None: 128, 512 for SQuAD's windows, "
+                          "256 for tagging, at most the model's positions)",
+        "dropout": "classifier and body dropout (None: the model's hidden_dropout_prob)",
+        "adam_beta1": "AdamW beta1",
+        "adam_beta2": "AdamW beta2",
+        "adam_epsilon": "AdamW epsilon",
+        "grad_clip": "max gradient norm (0 turns clipping off)",
+        "first_seed": "the first fine-tuning seed",
+        "precision": f"{PRECISIONS}; auto = bf16 on a GPU, fp32 on CPU",
+        "seeds": "fine-tune this many seeds (first-seed, first-seed+1, ...) and report the median",
+        "examples_per_class": "low-resource runs: this many training examples per class (one seeded subset)",
+        "max_train_examples": "train on at most this many examples (one seeded subset)",
+        "save_steps": "write the resumable state every N steps (and after every epoch)",
+        "eval_every_epochs": "evaluate after every N-th epoch and after the last (0: after the last only; "
+                             "training is the same either way, so the final metrics are too)",
+        "group_by_length": "sort every N consecutive batches' examples by length before cutting them, then "
+                           "shuffle the batches: less padding, so faster on texts of mixed length (0: off)",
+    }
+    for field in dataclasses.fields(Recipe):
+        choices = PRECISIONS if field.name == "precision" else None
+        group.add_argument(f"--{field.name.replace('_', '-')}", type=RANGES.get(field.name, str), choices=choices,
+                           default=field.default, help=helps[field.name])

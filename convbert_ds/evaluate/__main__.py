@@ -1,0 +1,102 @@
+"""``python -m convbert_ds.evaluate glue|squad|all``: the paper's tables for one model (see the package's
+docstring). Bad input ends in one line on stderr and exit code 2, before any job starts; a job that fails is
+named at the end (exit code 1), and the same command runs it again."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+import convbert_ds.evaluate as package
+from convbert_ds.evaluate import plan, report, workers
+from convbert_ds.finetune.errors import FinetuneError
+from convbert_ds.finetune.model_source import resolve_model
+from convbert_ds.finetune.recipe import Recipe, add_recipe_options
+from convbert_ds.fsutil import FORCE_FLAG, write_json_atomically, write_text_atomically
+from convbert_ds.log import get_logger
+
+log = get_logger(__name__)
+
+
+def parse_args(argv: list[str]):
+    parser = ArgumentParser(prog="python -m convbert_ds.evaluate", description=package.__doc__)
+    parser.add_argument("benchmark", choices=tuple(plan.BENCHMARKS), help="GLUE's 9 tasks, SQuAD v1.1 and v2.0, or both")
+    parser.add_argument("--model", required=True, help="a ConvBERT directory, or a convbert_ds.train checkpoint "
+                                                       "(converted once into OUT/converted)")
+    parser.add_argument("--out", required=True, help="results.md, results.json and every job's run")
+    parser.add_argument("--glue-dir", help="the GLUE download's folder: CoLA/, SST-2/, MRPC/, QQP/, STS-B/, MNLI/, "
+                                           "QNLI/, RTE/, WNLI/")
+    parser.add_argument("--squad-dir", help="the folder with train-v1.1.json, dev-v1.1.json, train-v2.0.json and "
+                                            "dev-v2.0.json")
+    parser.add_argument("--doc-stride", type=bounded(int, min=0), default=128,
+                        help="SQuAD: context tokens consecutive windows share")
+    parser.add_argument("--tasks", help="some of the benchmark's tasks, comma-separated (default: all of them)")
+    parser.add_argument("--random-init-baseline", action="store_true",
+                        help="fine-tune every (task, seed) from a random init too: a row and a margin per task")
+    parser.add_argument("--jobs", type=bounded(int, min=1),
+                        help="jobs side by side (default: one per GPU, or 1 on a CPU, where the cores are shared out)")
+    parser.add_argument(FORCE_FLAG, action="store_true", help="delete OUT's previous evaluation first")
+    add_recipe_options(parser)
+    parser.set_defaults(seeds=5)
+    return parser.parse_args(argv)
+
+
+def _check_settings(out: Path, settings: dict) -> None:
+    """A rerun resumes only what the same settings started."""
+    path = out / "evaluation.json"
+    if path.is_file():
+        before = json.loads(path.read_text())
+        changed = sorted(k for k in settings if k != "command" and before.get(k) != settings[k])
+        if changed:
+            raise FinetuneError(f"--out {out} holds an evaluation with different {', '.join(changed)}; use another "
+                                f"--out, or {FORCE_FLAG} to start over there")
+    write_json_atomically(path, settings)
+
+
+def evaluate(argv: list[str]) -> int:
+    args = parse_args(argv)
+    recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)})
+    recipe.validate()
+    out = Path(args.out)
+    names = plan.task_names(args.benchmark, args.tasks)
+    tasks = plan.sources(names, args.glue_dir, args.squad_dir, args.doc_stride)
+    if args.force and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    source = resolve_model(args.model, out)
+    plan.check(tasks, source.config, args.model, recipe)
+    command = "python -m convbert_ds.evaluate " + shlex.join(argv)
+    settings = {"model": args.model, "model_resolved": source.description, "tasks": list(names),
+                "seeds": args.seeds, "doc_stride": args.doc_stride, "first_seed": args.first_seed, "random_init_baseline": args.random_init_baseline,
+                "recipe": {k: v for k, v in dataclasses.asdict(recipe).items() if k not in ("seeds", "first_seed")},
+                "command": command}
+    _check_settings(out, settings)
+    todo = plan.jobs(tasks, args.seeds, args.random_init_baseline, source.hf_dir, recipe, out)
+    devices = workers.slots(args.jobs)
+    log.info(f"{len(todo)} fine-tuning job(s) ({len(names)} task(s) x {args.seeds} seed(s)"
+             f"{' x 2 inits' if args.random_init_baseline else ''}) on {len(devices)} worker(s)"
+             f"{'' if devices[0] is None else ' (one GPU each)'}; logs in {out / 'jobs'}")
+    outcomes = workers.run_all(todo, devices)
+    summary = report.summarise(outcomes, names, source.config, settings)
+    write_json_atomically(out / "results.json", summary)
+    write_text_atomically(out / "results.md", report.markdown(summary))
+    print((out / "results.md").read_text())
+    if summary["failed"]:
+        log.warning(f"error: {len(summary['failed'])} job(s) failed ({', '.join(summary['failed'])}); each one's "
+                    f"log.txt under {out / 'jobs'} says why; the same command runs them again")
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return exit_on_user_error(lambda: evaluate(argv), prefix="evaluate error")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

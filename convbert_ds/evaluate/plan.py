@@ -1,0 +1,111 @@
+"""What an evaluation runs: its tasks (read and checked before any job starts), and one job per
+(task, init, seed), largest task first."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from convbert_ds.config import ModelConfig
+from convbert_ds.evaluate.paper import GLUE, SQUAD
+from convbert_ds.finetune.errors import FinetuneError
+from convbert_ds.finetune.recipe import Recipe, task_max_seq_length
+from convbert_ds.finetune.squad import QATask, read_squad
+from convbert_ds.finetune.tasks import TaskData, read_glue
+
+BENCHMARKS = {"glue": GLUE, "squad": SQUAD, "all": GLUE + SQUAD}
+# The official downloads' layouts: GLUE's task folders, SQuAD's file names.
+GLUE_FOLDERS = {"cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "qqp": "QQP", "stsb": "STS-B", "mnli": "MNLI",
+                "qnli": "QNLI", "rte": "RTE", "wnli": "WNLI"}
+SQUAD_FILES = {"squad": ("train-v1.1.json", "dev-v1.1.json"), "squad_v2": ("train-v2.0.json", "dev-v2.0.json")}
+
+
+@dataclass(frozen=True)
+class TaskSource:
+    """Where one task's files are: what a job needs to read the task again in its own process."""
+    name: str
+    files: tuple[Path, ...]  # GLUE: (the task's folder,); SQuAD: (train, dev)
+    doc_stride: int = 128  # SQuAD: context tokens consecutive windows share
+
+    def read(self) -> TaskData | QATask:
+        if self.name in SQUAD:
+            train, dev = self.files
+            version_2 = self.name == "squad_v2"
+            return QATask(self.name, read_squad(train, version_2), {"validation": read_squad(dev, version_2)},
+                          {"train": str(train), "validation": str(dev)}, doc_stride=self.doc_stride)
+        return read_glue(self.name, self.files[0])
+
+    @property
+    def size(self) -> int:
+        """Bytes of training data: the order jobs start in, largest first, so that the last to end are short."""
+        first = self.files[0]
+        return sum(p.stat().st_size for p in first.glob("train*")) if first.is_dir() else first.stat().st_size
+
+
+@dataclass(frozen=True)
+class Job:
+    task: TaskSource
+    init: str  # "pretrained" or "random"
+    seed: int
+    model: Path  # a transformers ConvBERT directory
+    recipe: Recipe  # the options given (None: the task's default); seeds and first_seed set for this job
+    out: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.task.name}-{self.init}-seed{self.seed}"
+
+    @property
+    def results(self) -> Path:
+        return self.out / "results.json"
+
+
+def task_names(benchmark: str, only: str | None) -> tuple[str, ...]:
+    """The benchmark's tasks, or the ``--tasks`` among them (comma-separated, any case, GLUE's hyphens kept)."""
+    names = BENCHMARKS[benchmark]
+    if not only:
+        return names
+    asked = [t.strip().lower().replace("-", "") for t in only.split(",") if t.strip()]
+    unknown = [t for t in asked if t not in names]
+    if unknown or not asked:
+        raise FinetuneError(f"--tasks {only}: {', '.join(unknown) or 'no task'} is not a task of {benchmark}; "
+                            f"use some of {','.join(names)}")
+    return tuple(t for t in names if t in asked)
+
+
+def sources(names: tuple[str, ...], glue_dir: str | None, squad_dir: str | None, doc_stride: int) -> list[TaskSource]:
+    found = []
+    for name in names:
+        if name in SQUAD:
+            if not squad_dir:
+                raise FinetuneError(f"{name} needs --squad-dir: the folder with {' and '.join(SQUAD_FILES[name])}")
+            found.append(TaskSource(name, tuple(Path(squad_dir) / f for f in SQUAD_FILES[name]), doc_stride))
+        else:
+            if not glue_dir:
+                raise FinetuneError("GLUE needs --glue-dir: the folder of the GLUE download, with CoLA/, SST-2/, ... "
+                                    "MNLI/ in it")
+            found.append(TaskSource(name, (Path(glue_dir) / GLUE_FOLDERS[name],)))
+    return found
+
+
+def check(tasks: list[TaskSource], model: ModelConfig, model_path: str, recipe: Recipe) -> None:
+    """Every task read once (a missing folder, a wrong file or row ends here, in one line naming it) and the
+    model's positions long enough for each task's length, before any job starts."""
+    for source in tasks:
+        source.read()
+        wanted = recipe.max_seq_length or task_max_seq_length(source.name)
+        if wanted > model.max_position_embeddings:
+            raise FinetuneError(
+                f"--model {model_path}: max_position_embeddings={model.max_position_embeddings} is shorter than "
+                f"{source.name}'s length {wanted} (the paper's recipe); pass --max-seq-length "
+                f"{model.max_position_embeddings} to fine-tune on shorter windows, or a model with longer positions")
+
+
+def jobs(tasks: list[TaskSource], seeds: int, baseline: bool, model: Path, recipe: Recipe, out: Path) -> list[Job]:
+    """Every (task, init, seed), the largest task's first; a seed's pretrained and random-init runs together."""
+    inits = ("pretrained", "random") if baseline else ("pretrained",)
+    ordered = sorted(tasks, key=lambda t: -t.size)
+    return [Job(task, init, seed, model, dataclasses.replace(recipe, seeds=1, first_seed=seed),
+                out / "jobs" / f"{task.name}-{init}-seed{seed}")
+            for task in ordered for seed in range(recipe.first_seed, recipe.first_seed + seeds) for init in inits]

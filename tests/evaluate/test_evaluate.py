@@ -1,0 +1,127 @@
+"""``python -m convbert_ds.evaluate glue`` end to end on CPU: a tiny ConvBERT exported by the converter, the 9
+GLUE task folders in their official layouts made of real sentences, 2 seeds with the random-init baseline, 2
+jobs side by side; killed mid-way and run again, then the table checked against the jobs' own results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from convbert_ds.config import ElectraConfig
+from convbert_ds.convert import export_model
+from convbert_ds.model import ElectraForPretraining
+from glue_factory import write_glue_download
+from launch import REPO, env
+from shard_factory import read_text_documents
+
+FAST = ["--epochs", "1", "--batch-size", "8", "--max-seq-length", "32", "--save-steps", "1000"]
+GLUE8 = ("mnli", "qnli", "qqp", "rte", "sst2", "mrpc", "cola", "stsb")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_corpus, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(tiny_corpus["tokenizer"]), local_files_only=True))
+    torch.manual_seed(1234)
+    out = tmp_path_factory.mktemp("hf") / "tiny"
+    export_model(ElectraForPretraining(ElectraConfig.from_preset("tiny", vocab_size=vocab)), out, tiny_corpus["tokenizer"])
+    return out / "discriminator"
+
+
+@pytest.fixture(scope="module")
+def glue(tiny_corpus, tmp_path_factory):
+    lines = [line for doc in read_text_documents(tiny_corpus["corpus"]) for line in doc]
+    sentences = [" ".join(line.split()[:20]) for line in lines if len(line.split()) >= 6][:200]
+    return write_glue_download(tmp_path_factory.mktemp("glue"), sentences)
+
+
+def evaluate(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "convbert_ds.evaluate", *args], cwd=REPO, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_the_whole_glue_table_survives_a_kill_and_matches_the_jobs(model, glue, tmp_path):
+    out = tmp_path / "eval"
+    args = ["glue", "--model", str(model), "--glue-dir", str(glue), "--out", str(out), "--seeds", "2",
+            "--random-init-baseline", "--jobs", "2", *FAST]
+    first = evaluate(*args)
+    finished = lambda: sorted(out.glob("jobs/*/results.json"))  # noqa: E731
+    deadline = time.monotonic() + 300
+    while len(finished()) < 6 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert first.poll() is None, first.stdout.read()[-4000:]
+    first.send_signal(signal.SIGKILL)  # the workers end with it
+    first.wait()
+    kept = {path: path.stat().st_mtime_ns for path in finished()}
+    assert 6 <= len(kept) < 36
+
+    second = evaluate(*args)
+    said = second.communicate(timeout=600)[0]
+    assert second.returncode == 0, said[-4000:]
+    assert f"{len(kept)} of 36 job(s) finished before; running the other {36 - len(kept)}" in said, said[-4000:]
+    assert all(path.stat().st_mtime_ns == mtime for path, mtime in kept.items())  # not run again
+    assert len(finished()) == 36 and "Traceback" not in said
+
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["failed"] == [] and summary["paper_size"] is None  # the tiny model: no paper row
+    by_hand = {}
+    for init in ("pretrained", "random"):
+        for task, split, metric in [*((t, "dev", m) for t, m in (("qnli", "accuracy"), ("qqp", "accuracy"),
+                                                                     ("rte", "accuracy"), ("sst2", "accuracy"),
+                                                                     ("mrpc", "accuracy"), ("cola", "mcc"),
+                                                                     ("stsb", "spearman"), ("wnli", "accuracy"))),
+                                    ("mnli", "dev_matched", "accuracy")]:
+            values = [100 * json.loads((out / "jobs" / f"{task}-{init}-seed{s}" / "results.json").read_text())
+                      ["seeds"][0]["final"][split][metric] for s in (0, 1)]
+            by_hand[init, task] = statistics.median(values)
+            assert summary["rows"][init]["tasks"][task]["median"] == pytest.approx(by_hand[init, task])
+        assert summary["rows"][init]["glue_average"] == pytest.approx(statistics.fmean(by_hand[init, t] for t in GLUE8))
+    for task in GLUE8:
+        assert summary["margin"][task] == pytest.approx(by_hand["pretrained", task] - by_hand["random", task])
+    # Leaderboard-style: MRPC's F1 and accuracy averaged, WNLI counted.
+    mrpc = [json.loads((out / "jobs" / f"mrpc-pretrained-seed{s}" / "results.json").read_text())["seeds"][0]["final"]
+            ["dev"] for s in (0, 1)]
+    assert summary["rows"]["pretrained"]["tasks"]["mrpc"]["leaderboard"] == pytest.approx(
+        (statistics.median(100 * m["f1"] for m in mrpc) + statistics.median(100 * m["accuracy"] for m in mrpc)) / 2)
+    table = (out / "results.md").read_text()
+    assert "| ours, pretrained init (median) |" in table and "| margin (pretrained - random) |" in table
+    assert "no paper row is shown" in table
+
+
+def test_a_damaged_task_folder_is_refused_before_any_job_starts(model, glue, tmp_path):
+    broken = tmp_path / "glue"
+    subprocess.run(["cp", "-r", str(glue), str(broken)], check=True)
+    (broken / "RTE" / "dev.tsv").unlink()
+    out = tmp_path / "eval"
+    result = evaluate("glue", "--model", str(model), "--glue-dir", str(broken), "--out", str(out), *FAST)
+    said = result.communicate(timeout=120)[0]
+    assert result.returncode == 2, said
+    assert said.strip().splitlines()[-1] == (
+        f"evaluate error: --data-dir {broken / 'RTE'}: dev.tsv not found; point --data-dir at the GLUE RTE folder "
+        "with train.tsv and dev.tsv (from the official GLUE download)"), said
+    assert not (out / "jobs").exists()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["glue", "--tasks", "rte,squad"], "evaluate error: --tasks rte,squad: squad is not a task of glue; use some of "
+                                       "mnli,qnli,qqp,rte,sst2,mrpc,cola,stsb,wnli"),
+    (["squad"], "evaluate error: squad needs --squad-dir: the folder with train-v1.1.json and dev-v1.1.json"),
+    (["glue", "--tasks", "rte"], "evaluate error: GLUE needs --glue-dir: the folder of the GLUE download, with CoLA/, "
+                                 "SST-2/, ... MNLI/ in it"),
+])
+def test_unknown_tasks_and_missing_folders_are_one_line(args, line, tmp_path, capsys):
+    from convbert_ds.evaluate.__main__ import main
+
+    assert main([*args, "--model", str(tmp_path), "--out", str(tmp_path / "eval")]) == 2
+    assert capsys.readouterr().err.strip() == line
+    assert not (tmp_path / "eval").exists()

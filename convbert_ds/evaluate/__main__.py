@@ -65,11 +65,12 @@ def evaluate(argv: list[str]) -> int:
     out = Path(args.out)
     names = plan.task_names(args.benchmark, args.tasks)
     tasks = plan.sources(names, args.glue_dir, args.squad_dir, args.doc_stride)
+    plan.check_files(tasks)
     if args.force and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     source = resolve_model(args.model, out)
-    plan.check(tasks, source.config, args.model, recipe)
+    plan.check_lengths(tasks, source.config, args.model, recipe)
     command = "python -m convbert_ds.evaluate " + shlex.join(argv)
     settings = {"model": args.model, "model_resolved": source.description, "tasks": list(names),
                 "seeds": args.seeds, "doc_stride": args.doc_stride, "first_seed": args.first_seed, "random_init_baseline": args.random_init_baseline,

@@ -89,16 +89,22 @@ def sources(names: tuple[str, ...], glue_dir: str | None, squad_dir: str | None,
     return found
 
 
-def check(tasks: list[TaskSource], model: ModelConfig, model_path: str, recipe: Recipe) -> None:
-    """Every task read once (a missing folder, a wrong file or row ends here, in one line naming it) and the
-    model's positions long enough for each task's length, before any job starts."""
+def check_files(tasks: list[TaskSource]) -> None:
+    """Every task read once, before the model is converted or any job starts: a missing folder, a wrong file
+    or row ends here, in one line naming it."""
     for source in tasks:
         source.read()
+
+
+def check_lengths(tasks: list[TaskSource], model: ModelConfig, model_path: str, recipe: Recipe) -> None:
+    """The model's positions long enough for each task's length (fine-tuning alone would cut it silently)."""
+    for source in tasks:
         wanted = recipe.max_seq_length or task_max_seq_length(source.name)
         if wanted > model.max_position_embeddings:
             raise FinetuneError(
                 f"--model {model_path}: max_position_embeddings={model.max_position_embeddings} is shorter than "
-                f"{source.name}'s length {wanted} (the paper's recipe); pass --max-seq-length "
+                f"{source.name}'s length {wanted} ({'--max-seq-length' if recipe.max_seq_length else 'the recipe'}); "
+                f"pass --max-seq-length "
                 f"{model.max_position_embeddings} to fine-tune on shorter windows, or a model with longer positions")
 
 

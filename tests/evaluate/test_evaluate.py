@@ -5,7 +5,6 @@ jobs side by side; killed mid-way and run again, then the table checked against 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -109,7 +108,7 @@ def test_a_damaged_task_folder_is_refused_before_any_job_starts(model, glue, tmp
     assert said.strip().splitlines()[-1] == (
         f"evaluate error: --data-dir {broken / 'RTE'}: dev.tsv not found; point --data-dir at the GLUE RTE folder "
         "with train.tsv and dev.tsv (from the official GLUE download)"), said
-    assert not (out / "jobs").exists()
+    assert not out.exists()  # refused before anything was written
 
 
 @pytest.mark.parametrize("args, line", [
@@ -125,3 +124,15 @@ def test_unknown_tasks_and_missing_folders_are_one_line(args, line, tmp_path, ca
     assert main([*args, "--model", str(tmp_path), "--out", str(tmp_path / "eval")]) == 2
     assert capsys.readouterr().err.strip() == line
     assert not (tmp_path / "eval").exists()
+
+
+def test_a_task_longer_than_the_models_positions_is_refused_before_any_job_starts(model, glue, tmp_path, capsys):
+    from convbert_ds.evaluate.__main__ import main
+
+    out = tmp_path / "eval"
+    assert main(["glue", "--tasks", "rte", "--model", str(model), "--glue-dir", str(glue), "--out", str(out),
+                 "--max-seq-length", "1024"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"evaluate error: --model {model}: max_position_embeddings=512 is shorter than rte's length 1024 "
+        "(--max-seq-length); pass --max-seq-length 512 to fine-tune on shorter windows, or a model with longer positions")
+    assert not (out / "jobs").exists()

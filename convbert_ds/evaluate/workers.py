@@ -1,7 +1,8 @@
 """The jobs on the devices there are: one worker process per GPU (it sees that GPU alone), or ``--jobs`` of
-them on a CPU (the cores shared out); each worker runs jobs one after another, largest first, in its own
-process so that a job's failure or crash stays its own. A job already finished (its results.json there) is
-not run again; one that was cut resumes through fine-tuning's own state."""
+them on a CPU (the cores shared out); each worker runs jobs one after another, largest first. A job that
+raises fails alone (its traceback in its log.txt); a worker that dies (killed, out of memory) ends the pool,
+and every job not finished is named as failed. A job already finished (its results.json there) is not run
+again by the next call; one that was cut resumes through fine-tuning's own state."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def run_all(todo: list[Job], devices: list[str | None]) -> list[Outcome]:
             job = futures[future]
             try:
                 outcome = future.result()
-            except Exception as error:  # noqa: BLE001 - a worker that died (killed, out of memory) fails its job only
+            except Exception as error:  # noqa: BLE001 - a worker died (killed, out of memory): the pool is broken
                 outcome = Outcome(job, None, f"its worker died ({type(error).__name__}: {error})")
             outcomes.append(outcome)
             said = f"failed: {outcome.error} (log: {job.out / 'log.txt'})" if outcome.final is None else \

@@ -1,7 +1,8 @@
 # shellcheck shell=bash
-# Shared by slurm/pretrain.sbatch and slurm/pretrain_deepspeed.sbatch (sourced, not run).
+# Shared by slurm/pretrain.sbatch, slurm/pretrain_deepspeed.sbatch and slurm/evaluate.sbatch (sourced, not run).
 #
 # cbd_start NAME CONFIG [key=value ...]   environment, launch prefix, per-job log directory, rendezvous address
+# cbd_activate                            the environment (CONVBERT_DS_ENV) and launch prefix (CBD_PREFIX)
 # cbd_check_config WORLD_SIZE             the trainer's own validation, before any rank starts
 # cbd_check_nodes PROCS_PER_NODE          every node: processes vs GPUs, checkpoint dir writable + shared
 #                                         (or node-local, with checkpoint.mirror set)
@@ -48,6 +49,20 @@ cbd_start() {
   trap 'cbd_on_signal USR1' USR1
   trap 'cbd_on_signal TERM' TERM
 
+  cbd_activate
+
+  # Ranks come from SLURM_* (or from the deepspeed launcher): stale torch variables from the
+  # submitting shell would win over them.
+  unset RANK LOCAL_RANK WORLD_SIZE
+  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  # As convbert_ds/engine/distributed.py: jobs sharing a node differ, and the port stays below the kernel's
+  # ephemeral range (32768 and up), where an open connection could already hold it.
+  MASTER_PORT=$((20000 + SLURM_JOB_ID % 12000))
+  export MASTER_ADDR MASTER_PORT PYTHONUNBUFFERED=1
+}
+
+# The job's Python: CONVBERT_DS_ENV sourced, CONVBERT_DS_LAUNCH_PREFIX read into CBD_PREFIX and tried.
+cbd_activate() {
   local env_file=${CONVBERT_DS_ENV:-.venv/bin/activate}
   if [ "$env_file" != none ]; then
     [ -f "$env_file" ] || cbd_die "CONVBERT_DS_ENV=$env_file: no such file (set CONVBERT_DS_ENV to the script" \
@@ -67,15 +82,6 @@ cbd_start() {
   else
     command -v python >/dev/null || cbd_die "no python on PATH after activating the environment"
   fi
-
-  # Ranks come from SLURM_* (or from the deepspeed launcher): stale torch variables from the
-  # submitting shell would win over them.
-  unset RANK LOCAL_RANK WORLD_SIZE
-  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-  # As convbert_ds/engine/distributed.py: jobs sharing a node differ, and the port stays below the kernel's
-  # ephemeral range (32768 and up), where an open connection could already hold it.
-  MASTER_PORT=$((20000 + SLURM_JOB_ID % 12000))
-  export MASTER_ADDR MASTER_PORT PYTHONUNBUFFERED=1
 }
 
 cbd_close_log() {

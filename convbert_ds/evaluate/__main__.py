@@ -40,10 +40,20 @@ def parse_args(argv: list[str]):
                         help="fine-tune every (task, seed) from a random init too: a row and a margin per task")
     parser.add_argument("--jobs", type=bounded(int, min=1),
                         help="jobs side by side (default: one per GPU, or 1 on a CPU, where the cores are shared out)")
+    parser.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
+                        help="run the K-th of N equal shares of the jobs (0-based; slurm/evaluate.sbatch as an "
+                             "array job: one per task), the table from every job finished in OUT")
     parser.add_argument(FORCE_FLAG, action="store_true", help="delete OUT's previous evaluation first")
     add_recipe_options(parser)
     parser.set_defaults(seeds=5)
     return parser.parse_args(argv)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+        raise ValueError(f"{text!r}: K/N with 0 <= K < N, e.g. 0/4")
+    return int(k), int(n)
 
 
 def _check_settings(out: Path, settings: dict) -> None:
@@ -63,6 +73,9 @@ def evaluate(argv: list[str]) -> int:
     recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)})
     recipe.validate()
     out = Path(args.out)
+    if args.force and args.shard[1] > 1:
+        raise FinetuneError(f"{FORCE_FLAG} with --shard {args.shard[0]}/{args.shard[1]}: each share would delete the "
+                            "others' work; empty --out once, before the shares start")
     names = plan.task_names(args.benchmark, args.tasks)
     tasks = plan.sources(names, args.glue_dir, args.squad_dir, args.doc_stride)
     plan.check_files(tasks)
@@ -77,12 +90,18 @@ def evaluate(argv: list[str]) -> int:
                 "recipe": {k: v for k, v in dataclasses.asdict(recipe).items() if k not in ("seeds", "first_seed")},
                 "command": command}
     _check_settings(out, settings)
-    todo = plan.jobs(tasks, args.seeds, args.random_init_baseline, source.hf_dir, recipe, out)
+    every = plan.jobs(tasks, args.seeds, args.random_init_baseline, source.hf_dir, recipe, out)
+    k, n = args.shard
+    todo = every[k::n]  # round-robin over the largest-first order: the shares' sizes stay alike
     devices = workers.slots(args.jobs)
     log.info(f"{len(todo)} fine-tuning job(s) ({len(names)} task(s) x {args.seeds} seed(s)"
-             f"{' x 2 inits' if args.random_init_baseline else ''}) on {len(devices)} worker(s)"
-             f"{'' if devices[0] is None else ' (one GPU each)'}; logs in {out / 'jobs'}")
+             f"{' x 2 inits' if args.random_init_baseline else ''}{f', share {k}/{n}' if n > 1 else ''}) on "
+             f"{len(devices)} worker(s){'' if devices[0] is None else ' (one GPU each)'}; logs in {out / 'jobs'}")
     outcomes = workers.run_all(todo, devices)
+    ran = {o.job.name for o in outcomes}
+    others = [job for job in every if job.name not in ran]  # the other shares' jobs, as far as they are
+    outcomes += [workers.Outcome(job, workers.final(job)) for job in others if job.results.is_file()]
+    settings = {**settings, "unfinished_elsewhere": sorted(j.name for j in others if not j.results.is_file())}
     summary = report.summarise(outcomes, names, source.config, settings)
     write_json_atomically(out / "results.json", summary)
     write_text_atomically(out / "results.md", report.markdown(summary))

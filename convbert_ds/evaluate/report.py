@@ -98,6 +98,9 @@ def markdown(summary: dict) -> str:
     out += _details(summary, tasks)
     if summary["failed"]:
         out += ["", f"Failed jobs (rerun the same command to retry them): {', '.join(summary['failed'])}."]
+    if summary.get("unfinished_elsewhere"):
+        out += ["", f"Not finished yet by the other shares (--shard), so left out: "
+                    f"{', '.join(summary['unfinished_elsewhere'])}. The last share to end writes the whole table."]
     out += ["", f"Command: `{summary['command']}`", ""]
     return "\n".join(out)
 

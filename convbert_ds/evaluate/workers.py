@@ -47,7 +47,7 @@ def slots(jobs_asked: int | None) -> list[str | None]:
 
 def run_all(todo: list[Job], devices: list[str | None]) -> list[Outcome]:
     """Run every job of ``todo``; the finished ones are read back. Prints a line as each job ends."""
-    outcomes = [Outcome(job, _final(job)) for job in todo if job.results.is_file()]
+    outcomes = [Outcome(job, final(job)) for job in todo if job.results.is_file()]
     pending = [job for job in todo if not job.results.is_file()]
     if outcomes:
         log.info(f"{len(outcomes)} of {len(todo)} job(s) finished before; running the other {len(pending)}")
@@ -103,8 +103,9 @@ def _run(job: Job) -> Outcome:
         except Exception:  # noqa: BLE001 - the traceback goes to the job's log; the evaluation goes on
             traceback.print_exc()
             return Outcome(job, None, "an unexpected error, traceback in the log")
-    return Outcome(job, _final(job), seconds=time.monotonic() - started)
+    return Outcome(job, final(job), seconds=time.monotonic() - started)
 
 
-def _final(job: Job) -> dict:
+def final(job: Job) -> dict:
+    """The finished job's metrics: {split: metrics} of its one seed."""
     return json.loads(job.results.read_text())["seeds"][0]["final"]

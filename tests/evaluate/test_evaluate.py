@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +137,30 @@ def test_a_task_longer_than_the_models_positions_is_refused_before_any_job_start
         f"evaluate error: --model {model}: max_position_embeddings=512 is shorter than rte's length 1024 "
         "(--max-seq-length); pass --max-seq-length 512 to fine-tune on shorter windows, or a model with longer positions")
     assert not (out / "jobs").exists()
+
+
+@pytest.mark.slow
+def test_an_array_job_shares_the_jobs_and_a_resubmission_writes_the_whole_table(cluster, model, glue, tmp_path):
+    """slurm/evaluate.sbatch as an array of 2 on the test cluster: each task runs its share (--shard K/2) of the
+    4 jobs; the same command again runs nothing and writes the table of all 4."""
+    out = tmp_path / "eval"
+    activate = Path(sys.executable).parent / "activate"
+    job_env = {**cluster.env(env()), "CONVBERT_DS_ENV": str(activate) if activate.is_file() else "none"}
+    args = ["glue", "--tasks", "rte,mrpc,cola,stsb", "--model", str(model), "--glue-dir", str(glue), "--out", str(out),
+            "--seeds", "1", *FAST]
+    array = cluster.run("sbatch", "--parsable", "--array=0-1", "--gpus-per-node=1", "--cpus-per-task=1", "--time=10",
+                        str(REPO / "slurm" / "evaluate.sbatch"), *args, cwd=tmp_path, env=job_env).stdout
+    infos = [cluster.wait_job(f"{array.strip().split(';')[0]}_{k}", 300) for k in (0, 1)]
+    said = [path.read_text() for path in sorted(tmp_path.glob("convbert-evaluate-*.out"))]
+    assert all((i["JobState"], i["ExitCode"]) == ("COMPLETED", "0:0") for i in infos), "\n".join(said)[-6000:]
+    assert len(said) == 2 and not any("error" in text for text in said), "\n".join(said)[-6000:]
+    assert [sum(" done in " in line for line in text.splitlines()) for text in said] == [2, 2], said
+    assert all("2 fine-tuning job(s) (4 task(s) x 1 seed(s), share " in text for text in said), said
+    assert len(list(out.glob("jobs/*/results.json"))) == 4
+
+    again = evaluate(*args)
+    text = again.communicate(timeout=120)[0]
+    assert again.returncode == 0 and "4 of 4 job(s) finished before; running the other 0" in text, text[-4000:]
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["unfinished_elsewhere"] == [] and set(summary["rows"]["pretrained"]["tasks"]) == \
+        {"rte", "mrpc", "cola", "stsb"}

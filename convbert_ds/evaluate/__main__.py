@@ -38,6 +38,9 @@ def parse_args(argv: list[str]):
     parser.add_argument("--tasks", help="some of the benchmark's tasks, comma-separated (default: all of them)")
     parser.add_argument("--random-init-baseline", action="store_true",
                         help="fine-tune every (task, seed) from a random init too: a row and a margin per task")
+    parser.add_argument("--from-mnli", action="store_true",
+                        help="start RTE, MRPC and STS-B from MNLI's fine-tuned model of the same init and seed "
+                             "(RoBERTa's and MosaicBERT's recipe; the ConvBERT paper's numbers are without it)")
     parser.add_argument("--jobs", type=bounded(int, min=1),
                         help="jobs side by side (default: one per GPU, or 1 on a CPU, where the cores are shared out)")
     parser.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
@@ -76,7 +79,7 @@ def evaluate(argv: list[str]) -> int:
     if args.force and args.shard[1] > 1:
         raise FinetuneError(f"{FORCE_FLAG} with --shard {args.shard[0]}/{args.shard[1]}: each share would delete the "
                             "others' work; empty --out once, before the shares start")
-    names = plan.task_names(args.benchmark, args.tasks)
+    names = plan.task_names(args.benchmark, args.tasks, args.from_mnli)
     tasks = plan.sources(names, args.glue_dir, args.squad_dir, args.doc_stride)
     plan.check_files(tasks)
     if args.force and out.exists():
@@ -86,13 +89,17 @@ def evaluate(argv: list[str]) -> int:
     plan.check_lengths(tasks, source.config, args.model, recipe)
     command = "python -m convbert_ds.evaluate " + shlex.join(argv)
     settings = {"model": args.model, "model_resolved": source.description, "tasks": list(names),
-                "seeds": args.seeds, "doc_stride": args.doc_stride, "first_seed": args.first_seed, "random_init_baseline": args.random_init_baseline,
+                "seeds": args.seeds, "doc_stride": args.doc_stride, "first_seed": args.first_seed,
+                "random_init_baseline": args.random_init_baseline, "from_mnli": args.from_mnli,
                 "recipe": {k: v for k, v in dataclasses.asdict(recipe).items() if k not in ("seeds", "first_seed")},
                 "command": command}
     _check_settings(out, settings)
-    every = plan.jobs(tasks, args.seeds, args.random_init_baseline, source.hf_dir, recipe, out)
+    every = plan.jobs(tasks, args.seeds, args.random_init_baseline, source.hf_dir, recipe, out, args.from_mnli)
     k, n = args.shard
-    todo = every[k::n]  # round-robin over the largest-first order: the shares' sizes stay alike
+    # Round-robin over the largest-first order, so that the shares' sizes stay alike; a job that starts from
+    # another's model goes with that one.
+    place = {job.name: i % n for i, job in enumerate(every)}
+    todo = [job for job in every if place[job.after or job.name] == k]
     devices = workers.slots(args.jobs)
     log.info(f"{len(todo)} fine-tuning job(s) ({len(names)} task(s) x {args.seeds} seed(s)"
              f"{' x 2 inits' if args.random_init_baseline else ''}{f', share {k}/{n}' if n > 1 else ''}) on "

@@ -51,6 +51,7 @@ class Job:
     model: Path  # a transformers ConvBERT directory
     recipe: Recipe  # the options given (None: the task's default); seeds and first_seed set for this job
     out: Path
+    after: str | None = None  # --from-mnli: the MNLI job whose best model this one starts from
 
     @property
     def name(self) -> str:
@@ -60,9 +61,22 @@ class Job:
     def results(self) -> Path:
         return self.out / "results.json"
 
+    @property
+    def random_init(self) -> bool:
+        """The random-init baseline draws its body, unless it starts from its own MNLI run (``after``)."""
+        return self.init == "random" and self.after is None
 
-def task_names(benchmark: str, only: str | None) -> tuple[str, ...]:
+
+def task_names(benchmark: str, only: str | None, from_mnli: bool = False) -> tuple[str, ...]:
     """The benchmark's tasks, or the ``--tasks`` among them (comma-separated, any case, GLUE's hyphens kept)."""
+    names = _task_names(benchmark, only)
+    if from_mnli and "mnli" not in names:
+        raise FinetuneError("--from-mnli starts RTE, MRPC and STS-B from MNLI's fine-tuned model: keep mnli among "
+                            "the tasks")
+    return names
+
+
+def _task_names(benchmark: str, only: str | None) -> tuple[str, ...]:
     names = BENCHMARKS[benchmark]
     if not only:
         return names
@@ -108,10 +122,23 @@ def check_lengths(tasks: list[TaskSource], model: ModelConfig, model_path: str, 
                 f"{model.max_position_embeddings} to fine-tune on shorter windows, or a model with longer positions")
 
 
-def jobs(tasks: list[TaskSource], seeds: int, baseline: bool, model: Path, recipe: Recipe, out: Path) -> list[Job]:
-    """Every (task, init, seed), the largest task's first; a seed's pretrained and random-init runs together."""
+# RoBERTa (Liu et al. 2019, section 5.1) and MosaicBERT start these from the MNLI fine-tuned model; the
+# ConvBERT and ELECTRA papers fine-tune every task from the pretrained model alone (ConvBERT section 4.2).
+FROM_MNLI = ("rte", "mrpc", "stsb")
+
+
+def jobs(tasks: list[TaskSource], seeds: int, baseline: bool, model: Path, recipe: Recipe, out: Path,
+         from_mnli: bool = False) -> list[Job]:
+    """Every (task, init, seed), the largest task's first; a seed's pretrained and random-init runs together.
+    ``from_mnli``: RTE, MRPC and STS-B start from the best model of the MNLI job with their init and seed."""
     inits = ("pretrained", "random") if baseline else ("pretrained",)
     ordered = sorted(tasks, key=lambda t: -t.size)
-    return [Job(task, init, seed, model, dataclasses.replace(recipe, seeds=1, first_seed=seed),
-                out / "jobs" / f"{task.name}-{init}-seed{seed}")
-            for task in ordered for seed in range(recipe.first_seed, recipe.first_seed + seeds) for init in inits]
+    found = []
+    for task in ordered:
+        for seed in range(recipe.first_seed, recipe.first_seed + seeds):
+            for init in inits:
+                after = f"mnli-{init}-seed{seed}" if from_mnli and task.name in FROM_MNLI else None
+                found.append(Job(task, init, seed, out / "jobs" / after / "best" if after else model,
+                                 dataclasses.replace(recipe, seeds=1, first_seed=seed),
+                                 out / "jobs" / f"{task.name}-{init}-seed{seed}", after))
+    return found

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from functools import lru_cache
@@ -58,20 +58,43 @@ def run_all(todo: list[Job], devices: list[str | None]) -> list[Outcome]:
     threads = max(1, (os.cpu_count() or 1) // len(devices))
     for device in devices:
         queue.put(device)
-    started = time.monotonic()
+    # A job that starts from another's model (--from-mnli) waits for it; the others start largest first.
+    waiting: dict[str, list[Job]] = {}
+    for job in pending:
+        if job.after and not (job.out.parent / job.after / "results.json").is_file():
+            waiting.setdefault(job.after, []).append(job)
+    started, done = time.monotonic(), 0
+
+    def report(outcome: Outcome) -> None:
+        nonlocal done
+        done += 1
+        outcomes.append(outcome)
+        job = outcome.job
+        said = f"failed: {outcome.error} (log: {job.out / 'log.txt'})" if outcome.final is None else \
+            f"done in {outcome.seconds:.0f} s"
+        log.info(f"[{done}/{len(pending)}, {time.monotonic() - started:.0f} s] {job.name} {said}")
+
     with ProcessPoolExecutor(len(devices), mp_context=context, initializer=_start_worker,
                              initargs=(queue, threads)) as pool:
-        futures = {pool.submit(_run, job): job for job in pending}
-        for done, future in enumerate(as_completed(futures), 1):
-            job = futures[future]
-            try:
-                outcome = future.result()
-            except Exception as error:  # noqa: BLE001 - a worker died (killed, out of memory): the pool is broken
-                outcome = Outcome(job, None, f"its worker died ({type(error).__name__}: {error})")
-            outcomes.append(outcome)
-            said = f"failed: {outcome.error} (log: {job.out / 'log.txt'})" if outcome.final is None else \
-                f"done in {outcome.seconds:.0f} s"
-            log.info(f"[{done}/{len(pending)}, {time.monotonic() - started:.0f} s] {job.name} {said}")
+        held = {later.name for group in waiting.values() for later in group}
+        running = {pool.submit(_run, job): job for job in pending if job.name not in held}
+        while running:
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                job = running.pop(future)
+                try:
+                    outcome = future.result()
+                except Exception as error:  # noqa: BLE001 - a worker died (killed, out of memory): the pool is broken
+                    outcome = Outcome(job, None, f"its worker died ({type(error).__name__}: {error})")
+                report(outcome)
+                for later in waiting.pop(job.name, []):
+                    if outcome.final is None:
+                        report(Outcome(later, None, f"{job.name}, whose model it starts from, failed"))
+                    else:
+                        running[pool.submit(_run, later)] = later
+    for after, group in waiting.items():  # its MNLI job was neither finished nor run here
+        for later in group:
+            report(Outcome(later, None, f"{after}, whose model it starts from, did not run"))
     return outcomes
 
 
@@ -97,7 +120,7 @@ def _run(job: Job) -> Outcome:
     command = f"python -m convbert_ds.evaluate (job {job.name})"
     with open(job.out / "log.txt", "a") as said, redirect_stdout(said), redirect_stderr(said):
         try:
-            run(RunSpec(_task(job.task), str(job.model), job.out, job.recipe, job.init == "random", command))
+            run(RunSpec(_task(job.task), str(job.model), job.out, job.recipe, job.random_init, command))
         except UserError as error:
             return Outcome(job, None, str(error))
         except Exception:  # noqa: BLE001 - the traceback goes to the job's log; the evaluation goes on

@@ -116,6 +116,8 @@ def test_a_damaged_task_folder_is_refused_before_any_job_starts(model, glue, tmp
     (["glue", "--tasks", "rte,squad"], "evaluate error: --tasks rte,squad: squad is not a task of glue; use some of "
                                        "mnli,qnli,qqp,rte,sst2,mrpc,cola,stsb,wnli"),
     (["squad"], "evaluate error: squad needs --squad-dir: the folder with train-v1.1.json and dev-v1.1.json"),
+    (["glue", "--tasks", "rte,mrpc", "--from-mnli"], "evaluate error: --from-mnli starts RTE, MRPC and STS-B from "
+                                                    "MNLI's fine-tuned model: keep mnli among the tasks"),
     (["glue", "--tasks", "rte"], "evaluate error: GLUE needs --glue-dir: the folder of the GLUE download, with CoLA/, "
                                  "SST-2/, ... MNLI/ in it"),
 ])
@@ -164,3 +166,21 @@ def test_an_array_job_shares_the_jobs_and_a_resubmission_writes_the_whole_table(
     summary = json.loads((out / "results.json").read_text())
     assert summary["unfinished_elsewhere"] == [] and set(summary["rows"]["pretrained"]["tasks"]) == \
         {"rte", "mrpc", "cola", "stsb"}
+
+
+@pytest.mark.slow
+def test_from_mnli_starts_rte_mrpc_and_stsb_from_mnlis_model_of_the_same_init_and_seed(model, glue, tmp_path):
+    out = tmp_path / "eval"
+    result = evaluate("glue", "--tasks", "mnli,rte,mrpc,stsb,sst2", "--model", str(model), "--glue-dir", str(glue),
+                      "--out", str(out), "--seeds", "1", "--random-init-baseline", "--from-mnli", "--jobs", "2", *FAST)
+    said = result.communicate(timeout=600)[0]
+    assert result.returncode == 0, said[-4000:]
+    started = {path.parent.name: json.loads(path.read_text())["model"] for path in out.glob("jobs/*/results.json")}
+    assert len(started) == 10, started
+    for init in ("pretrained", "random"):
+        for task in ("rte", "mrpc", "stsb"):
+            assert started[f"{task}-{init}-seed0"] == str(out / "jobs" / f"mnli-{init}-seed0" / "best")
+        assert started[f"sst2-{init}-seed0"] == started[f"mnli-{init}-seed0"] == str(model)
+    # The baseline's MNLI run is a random init; the jobs that start from it load its fine-tuned body.
+    inits = {path.parent.name: json.loads(path.read_text())["init"] for path in out.glob("jobs/*/results.json")}
+    assert inits["mnli-random-seed0"] == "random" and inits["rte-random-seed0"] == "pretrained"

@@ -4,6 +4,7 @@ named at the end (exit code 1), and the same command runs it again."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shlex
@@ -55,8 +56,17 @@ def parse_args(argv: list[str]):
 def _shard(text: str) -> tuple[int, int]:
     k, _, n = text.partition("/")
     if not (k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
-        raise ValueError(f"{text!r}: K/N with 0 <= K < N, e.g. 0/4")
+        raise argparse.ArgumentTypeError(f"{text!r}: K/N with 0 <= K < N, e.g. 0/4")
     return int(k), int(n)
+
+
+def _settings(args, argv: list[str], names: tuple[str, ...], recipe: Recipe, resolved: str) -> dict:
+    """What evaluation.json records: a rerun must give the same (its command and --shard aside)."""
+    return {"model": args.model, "model_resolved": resolved, "tasks": list(names), "seeds": args.seeds,
+            "doc_stride": args.doc_stride, "first_seed": args.first_seed,
+            "random_init_baseline": args.random_init_baseline, "from_mnli": args.from_mnli,
+            "recipe": {k: v for k, v in dataclasses.asdict(recipe).items() if k not in ("seeds", "first_seed")},
+            "command": "python -m convbert_ds.evaluate " + shlex.join(argv)}
 
 
 def _check_settings(out: Path, settings: dict) -> None:
@@ -87,19 +97,11 @@ def evaluate(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     source = resolve_model(args.model, out)
     plan.check_lengths(tasks, source.config, args.model, recipe)
-    command = "python -m convbert_ds.evaluate " + shlex.join(argv)
-    settings = {"model": args.model, "model_resolved": source.description, "tasks": list(names),
-                "seeds": args.seeds, "doc_stride": args.doc_stride, "first_seed": args.first_seed,
-                "random_init_baseline": args.random_init_baseline, "from_mnli": args.from_mnli,
-                "recipe": {k: v for k, v in dataclasses.asdict(recipe).items() if k not in ("seeds", "first_seed")},
-                "command": command}
+    settings = _settings(args, argv, names, recipe, source.description)
     _check_settings(out, settings)
     every = plan.jobs(tasks, args.seeds, args.random_init_baseline, source.hf_dir, recipe, out, args.from_mnli)
     k, n = args.shard
-    # Round-robin over the largest-first order, so that the shares' sizes stay alike; a job that starts from
-    # another's model goes with that one.
-    place = {job.name: i % n for i, job in enumerate(every)}
-    todo = [job for job in every if place[job.after or job.name] == k]
+    todo = plan.share(every, k, n)
     devices = workers.slots(args.jobs)
     log.info(f"{len(todo)} fine-tuning job(s) ({len(names)} task(s) x {args.seeds} seed(s)"
              f"{' x 2 inits' if args.random_init_baseline else ''}{f', share {k}/{n}' if n > 1 else ''}) on "

@@ -142,3 +142,10 @@ def jobs(tasks: list[TaskSource], seeds: int, baseline: bool, model: Path, recip
                                  dataclasses.replace(recipe, seeds=1, first_seed=seed),
                                  out / "jobs" / f"{task.name}-{init}-seed{seed}", after))
     return found
+
+
+def share(every: list[Job], k: int, n: int) -> list[Job]:
+    """The K-th of N shares (``--shard K/N``): round-robin over the largest-first order, so that the shares'
+    sizes stay alike; a job that starts from another's model goes with that one."""
+    place = {job.name: i % n for i, job in enumerate(every)}
+    return [job for job in every if place[job.after or job.name] == k]

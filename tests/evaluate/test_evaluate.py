@@ -107,6 +107,7 @@ def test_the_whole_glue_table_survives_a_kill_and_matches_the_jobs(model, glue, 
     assert "no paper row is shown" in table
 
 
+@pytest.mark.slow  # a process of its own, as a user starts it
 def test_a_damaged_task_folder_is_refused_before_any_job_starts(model, glue, tmp_path):
     broken = tmp_path / "glue"
     subprocess.run(["cp", "-r", str(glue), str(broken)], check=True)

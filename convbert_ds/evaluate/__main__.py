@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shlex
 import shutil
 import sys
@@ -18,6 +17,7 @@ from convbert_ds.evaluate import plan, report, workers
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.model_source import resolve_model
 from convbert_ds.finetune.recipe import Recipe, add_recipe_options
+from convbert_ds.finetune.run import check_resume
 from convbert_ds.fsutil import FORCE_FLAG, write_json_atomically, write_text_atomically
 from convbert_ds.log import get_logger
 
@@ -60,25 +60,12 @@ def _shard(text: str) -> tuple[int, int]:
     return int(k), int(n)
 
 
-def _settings(args, argv: list[str], names: tuple[str, ...], recipe: Recipe, resolved: str) -> dict:
-    """What evaluation.json records: a rerun must give the same (its command and --shard aside)."""
+def _settings(args, names: tuple[str, ...], recipe: Recipe, resolved: str) -> dict:
+    """What evaluation.json records: a rerun must give the same (--shard aside)."""
     return {"model": args.model, "model_resolved": resolved, "tasks": list(names), "seeds": args.seeds,
             "doc_stride": args.doc_stride, "first_seed": args.first_seed,
             "random_init_baseline": args.random_init_baseline, "from_mnli": args.from_mnli,
-            "recipe": {k: v for k, v in dataclasses.asdict(recipe).items() if k not in ("seeds", "first_seed")},
-            "command": "python -m convbert_ds.evaluate " + shlex.join(argv)}
-
-
-def _check_settings(out: Path, settings: dict) -> None:
-    """A rerun resumes only what the same settings started."""
-    path = out / "evaluation.json"
-    if path.is_file():
-        before = json.loads(path.read_text())
-        changed = sorted(k for k in settings if k != "command" and before.get(k) != settings[k])
-        if changed:
-            raise FinetuneError(f"--out {out} holds an evaluation with different {', '.join(changed)}; use another "
-                                f"--out, or {FORCE_FLAG} to start over there")
-    write_json_atomically(path, settings)
+            "recipe": {k: v for k, v in dataclasses.asdict(recipe).items() if k not in ("seeds", "first_seed")}}
 
 
 def evaluate(argv: list[str]) -> int:
@@ -97,8 +84,9 @@ def evaluate(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     source = resolve_model(args.model, out)
     plan.check_lengths(tasks, source.config, args.model, recipe)
-    settings = _settings(args, argv, names, recipe, source.description)
-    _check_settings(out, settings)
+    settings = _settings(args, names, recipe, source.description)
+    check_resume(out / "evaluation.json", settings, "an evaluation")
+    settings = {**settings, "command": "python -m convbert_ds.evaluate " + shlex.join(argv)}
     every = plan.jobs(tasks, args.seeds, args.random_init_baseline, source.hf_dir, recipe, out, args.from_mnli)
     k, n = args.shard
     todo = plan.share(every, k, n)

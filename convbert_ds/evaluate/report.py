@@ -108,7 +108,7 @@ def markdown(summary: dict) -> str:
 def _paper_note(summary: dict) -> str:
     if not summary.get("paper"):
         return ("The model is none of the paper's sizes (small, medium-small, base), so no paper row is shown.")
-    return ("The paper's GLUE numbers are on the GLUE *test* set (its Table 3; the dev sets usually score higher), "
+    return ("The paper's GLUE numbers are on the GLUE *test* set (its Table 3), "
             "its SQuAD numbers (F1 here, EM below) on the dev sets (Table 4).")
 
 

@@ -95,16 +95,17 @@ def _settings(spec: RunSpec, recipe: Recipe, model_description: str) -> dict:
             "init": "random" if spec.random_init else "pretrained", "recipe": asdict(recipe)}
 
 
-def _check_resume(out: Path, settings: dict) -> None:
-    path = out / "run.json"
+def check_resume(path: Path, settings: dict, what: str = "a run") -> None:
+    """A rerun resumes only what the same settings started: ``path`` (run.json, evaluation.json) holds them,
+    and is written when it is not there yet."""
     if path.is_file():
         before = json.loads(path.read_text())
         changed = sorted(k for k in settings if before.get(k) != settings[k])
         if changed:
-            raise FinetuneError(f"--out {out} holds a run with different {', '.join(changed)}; use another --out, "
-                                "or --force to start over there")
+            raise FinetuneError(f"--out {path.parent} holds {what} with different {', '.join(changed)}; use another "
+                                "--out, or --force to start over there")
     else:
-        out.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomically(path, settings)
 
 
@@ -174,7 +175,7 @@ def _resolve(spec: RunSpec, cuda: bool) -> tuple[ModelSource, Recipe]:
     out.mkdir(parents=True, exist_ok=True)
     source = resolve_model(spec.model, out)
     recipe = spec.recipe.resolve(spec.task.name, source.config, cuda)
-    _check_resume(out, _settings(spec, recipe, source.description))
+    check_resume(out / "run.json", _settings(spec, recipe, source.description))
     (out / SEEDS_DIR).mkdir(exist_ok=True)
     return source, recipe
 

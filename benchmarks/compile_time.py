@@ -6,6 +6,7 @@ as a restart on another node compiles it: with the compile cache file the first 
 
     python benchmarks/compile_time.py                     # CUDA: base, 128 x 128, bf16 autocast; CPU: small, 2 x 128
     python benchmarks/compile_time.py --preset tiny --layers 6 --batch 2 --seq 64 --threads 2
+    python benchmarks/compile_time.py --variants unrolled,cached   # the compile cache file's saving alone
 
 Each variant runs in a process of its own whose inductor cache directory starts empty, one after the
 other, on the same seeded model and batch (three packed documents a sample, as the trainer packs them). A
@@ -37,9 +38,20 @@ from benchmarks.gpu.limited_run import run_group, where_it_stopped  # noqa: E402
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error  # noqa: E402
 from convbert_ds.config import PRESET_NAMES, ElectraConfig  # noqa: E402
 
-# name -> (layers_once, what the variant does with the compile cache file: write it, nothing, or load it)
-VARIANTS = {"unrolled (every layer in the graph)": (False, "write"), "layers once (one per width)": (True, None),
-            "unrolled, the compile cache file loaded": (False, "load")}
+# --variants name -> (the table's label, layers_once, what the variant does with the compile cache file: write
+# it, nothing, or load it). The first is the baseline of the ratios; "cached" loads the file "unrolled" wrote.
+VARIANTS = {"unrolled": ("unrolled (every layer in the graph)", False, "write"),
+            "once": ("layers once (one per width)", True, None),
+            "cached": ("unrolled, the compile cache file loaded", False, "load")}
+
+
+def variant_names(text: str) -> list[str]:
+    """``--variants``: names of ``VARIANTS``, comma-separated, in the table's order; "unrolled" always runs."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    return [name for name in VARIANTS if name == "unrolled" or name in names]
 
 
 def _synchronize(cuda: bool) -> None:
@@ -127,16 +139,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=bounded(int, min=1), default=None)
     parser.add_argument("--timeout", type=bounded(float, above=0), default=1800.0,
                         help="seconds each variant may take (default 1800)")
+    parser.add_argument("--variants", type=variant_names, default=list(VARIANTS),
+                        help=f"which to time, comma-separated (default: all, {','.join(VARIANTS)}); unrolled, the "
+                             "baseline, always runs")
     parser.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)  # internal: one variant
     parser.add_argument("--cache-file", type=Path, help=argparse.SUPPRESS)  # internal: the variants' file
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args, *VARIANTS[args.child])))
+        print(json.dumps(measure(args, *VARIANTS[args.child][1:])))
         return
     own = sys.argv[1:] if argv is None else list(argv)
     with tempfile.TemporaryDirectory(prefix="compile_cache_") as kept:
         own += ["--cache-file", str(Path(kept) / "step.bin")]
-        results = {name: run_variant(own, name, args.timeout) for name in VARIANTS}
+        results = {VARIANTS[name][0]: run_variant(own, name, args.timeout) for name in args.variants}
     first = next(iter(results.values()))
     print(f"device={first['device']} preset={args.preset} layers={first['layers']} batch={args.batch} "
           f"seq={args.seq} precision={'bf16 autocast' if cuda else 'fp32'} threads={first['threads']} "

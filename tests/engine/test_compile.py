@@ -1,5 +1,7 @@
 """``train.compile``: the encoder layers through torch.compile (inductor) inside real DeepSpeed engines on
-2 gloo CPU ranks, against the same runs in eager mode.
+gloo CPU ranks, against the same runs in eager mode. The whole-step runs take one rank: every rank compiles
+the same graphs, so a second one doubles the test's compile time and adds nothing the graph sees (the
+gradients' reduction is DeepSpeed's, outside it); the pipeline takes two, one stage each.
 
 Tolerance: in fp32 the compiled run follows the eager one to rounding (inductor reorders reductions;
 dropout draws the same masks, see ``compile_layers``). Measured over 20 steps: losses equal to 2e-6,
@@ -24,6 +26,7 @@ PIPELINE = ("deepspeed.config=ds_configs/pipeline_zero1_bf16.json", "train.preci
             "train.micro_batch_size=4", "train.activation_checkpointing=true")
 LAYOUTS = {"zero2": ("deepspeed.config=ds_configs/zero2_bf16.json", "train.precision=fp32"), "pipeline": PIPELINE,
            "autocast": ("deepspeed.config=ds_configs/zero0_autocast_bf16.json", "train.precision=bf16")}
+RANKS = {"zero2": 1, "pipeline": 2, "autocast": 1}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def runs(tiny_corpus, tmp_path_factory):
                 continue  # step: refused up front for the pipeline; the plain engine layer by layer: see above
             run_dir = root / f"{layout}_{mode}"
             output = check(run_training(run_dir, tiny_corpus["shards"], *COMMON, *overrides, *switches, timeout=600,
-                                        launcher=NOT_THE_SUBJECT))
+                                        launcher=NOT_THE_SUBJECT, nproc=RANKS[layout]))
             done[layout, mode] = (run_dir, output)
     return done
 
@@ -95,6 +98,7 @@ def test_exact_resume_of_a_compiled_run_is_bitwise(runs, tiny_corpus, tmp_path):
     (resumed / "checkpoints" / "latest").write_text(f"step{HALF:08d}\n")
     output = check(run_training(resumed, tiny_corpus["shards"], *COMMON, *LAYOUTS["autocast"],
                                 "train.compile=true", "train.compile_mode=step", timeout=600, launcher=NOT_THE_SUBJECT,
+                                nproc=RANKS["autocast"],
                                 extra_env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty_inductor_cache")}))
     assert f"at step {HALF}" in output
     assert f"compile cache: loaded {resumed / 'compile_cache'}" in output

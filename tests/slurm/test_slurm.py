@@ -134,30 +134,24 @@ def test_pretrain_sbatch_trains_with_falling_loss(reference):
     assert "srun" in commands and "convbert_ds.train" in commands
 
 
-def test_pretrain_deepspeed_sbatch_matches_srun(cluster, tiny_corpus, reference, tmp_path):
-    prefix, record = recording_prefix(tmp_path)
-    job = submit(cluster, tmp_path, "pretrain_deepspeed.sbatch", *train_args(tiny_corpus["shards"], tmp_path / "run"),
-                 options=DEEPSPEED_SHAPE, env=job_env(cluster, CONVBERT_DS_LAUNCH_PREFIX=prefix))
-    expect_completed(cluster, job, tmp_path)
-    log = job_log(tmp_path, job)
-    launchers = [call for call in record.read_text().splitlines() if "exec deepspeed --hostfile" in call]
-    assert len(launchers) == 1 and launchers[0].startswith("image.sif bash -c "), launchers  # one per node
-    (log_dir,) = (tmp_path / "runs" / "slurm").glob(f"*-{job}")
-    assert (log_dir / "hostfile").read_text() == f"{cluster.job(job)['NodeList']} slots=2\n"
-    assert "deepspeed.launcher.launch" in log and "--node_rank=0" in log and "launcher=torch world_size=2" in log
-    same_steps(train_rows(tmp_path / "run"), reference["rows"])
-
-
 def test_deepspeed_sbatch_preemption_requeues_and_resumes_exactly(cluster, tiny_corpus, reference, tmp_path):
-    """USR1 through the deepspeed launcher's job: the trainers checkpoint (the launchers ignore the
-    signal), the job requeues, resumes, and ends with the uninterrupted run's per-step metrics; its
-    offline W&B run is one run across both attempts."""
+    """slurm/pretrain_deepspeed.sbatch: one deepspeed launcher per node (under the launch prefix), from a
+    hostfile of the job's nodes. USR1 to its job: the trainers checkpoint (the launchers ignore the signal),
+    the job requeues, resumes, and ends with the srun run's per-step metrics; its offline W&B run is one run
+    across both attempts."""
     wandb = ("log.wandb.project=convbert-ds-test", "log.wandb.mode=offline", "log.wandb.tags=[slurm, requeue]")
+    prefix, record = recording_prefix(tmp_path)
     job = submit(cluster, tmp_path, "pretrain_deepspeed.sbatch",
-                 *train_args(tiny_corpus["shards"], tmp_path / "run", *wandb), options=DEEPSPEED_SHAPE)
+                 *train_args(tiny_corpus["shards"], tmp_path / "run", *wandb), options=DEEPSPEED_SHAPE,
+                 env=job_env(cluster, CONVBERT_DS_LAUNCH_PREFIX=prefix))
     step = preempt(cluster, tmp_path, job, 2, "--signal=USR1", "--batch")
     info = expect_completed(cluster, job, tmp_path)
     log = job_log(tmp_path, job)
+    launchers = [call for call in record.read_text().splitlines() if "exec deepspeed --hostfile" in call]
+    assert len(launchers) == 2 and all(call.startswith("image.sif bash -c ") for call in launchers), launchers
+    (log_dir,) = (tmp_path / "runs" / "slurm").glob(f"*-{job}")
+    assert (log_dir / "hostfile").read_text() == f"{cluster.job(job)['NodeList']} slots=2\n"
+    assert "deepspeed.launcher.launch" in log and "--node_rank=0" in log and "launcher=torch world_size=2" in log
     assert info["Restarts"] == "1" and "preempted; requeueing job" in log, log[-4000:]
     assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/step{step:08d} at step {step}" in log
     rows = train_rows(tmp_path / "run")

@@ -275,19 +275,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
-def test_rows_runs_only_the_pretraining_rows_it_matches(tmp_path):
-    out = tmp_path / "acceptance.md"
-    result = _acceptance("--cpu-smoke", str(out), "--parts", "pretrain", "--rows", r"fp32 \| torch \| off$")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
-    text = out.read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| tiny |")]
-    assert len(rows) == 1 and rows[0].split("|")[4:7] == [" fp32 ", " torch ", " off "], text  # not the bf16 row
-    assert float(rows[0].split("|")[7].replace(",", "")) > 0
-    assert "vocabulary 2,000 (a BPE tokenizer of the built-in corpus)" in text  # the size asked for, and got
-    assert "--parts pretrain --rows 'fp32 \\| torch \\| off$'" in text  # the command as run
-
-
 def test_a_part_that_raises_fails_alone_and_the_others_still_report(tmp_path):
     """On the 2026-11-29 lease a part's exception ended the acceptance before it kept any log or wrote its
     section, and nine minutes of GPU figures were lost. A part that raises now fails with its traceback."""

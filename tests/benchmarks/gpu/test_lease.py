@@ -90,7 +90,10 @@ def test_the_lease_on_cpu_leaves_its_record_and_logs_under_out(tmp_path):
     text = record.read_text()
     assert "--parts pretrain --budget 450 --rows '^tiny \\| .* \\| fp32 \\| torch \\| off$' --together 3" in text, text
     rows = [line for line in text.splitlines() if line.startswith("| tiny |")]
-    assert len(rows) == 1 and float(rows[0].split("|")[7].replace(",", "")) > 0, rows
+    # --rows runs only the rows it matches: the fp32 one of the smoke run's two pretraining rows, not the bf16 one.
+    assert len(rows) == 1 and rows[0].split("|")[4:7] == [" fp32 ", " torch ", " off "], rows
+    assert float(rows[0].split("|")[7].replace(",", "")) > 0, rows
+    assert "vocabulary 2,000 (a BPE tokenizer of the built-in corpus)" in text  # the size asked for, and got
     assert len(text.splitlines()) <= 150, len(text.splitlines())
     logs = tmp_path / "logs"
     assert (logs / "record.md").read_text() == text and "the record: " in (logs / "lease.log").read_text()

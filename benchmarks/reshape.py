@@ -6,9 +6,10 @@
 1. Writes a real checkpoint the way the trainer does: ``torchrun --nproc_per_node 2`` ranks (gloo) build
    ``ElectraForPretraining`` of ``ElectraConfig.from_preset(PRESET)`` (the preset's generator, vocabulary
    30,522), ``deepspeed.initialize`` with the DeepSpeed config the trainer builds
-   (``ds_configs/zero2_bf16.json`` through ``engine.plan.build_ds_config``, fp32: ZeRO-2, torch AdamW,
-   WarmupDecayLR), run ONE optimizer step on a random batch (seq 32, micro-batch 1; so Adam's moments
-   exist) and save through ``engine.checkpoint.save`` (tag ``step00000001``, trainer_state.json, manifest).
+   (``ds_configs/zero2_bf16.json`` through ``engine.plan.build_ds_config``, fp32: ZeRO-2, torch AdamW) and
+   the trainer's lr schedule (``model.optim.WarmupDecay``), run ONE optimizer step on a random batch (seq 32,
+   micro-batch 1; so Adam's moments exist) and save through ``engine.checkpoint.save`` (tag ``step00000001``,
+   trainer_state.json, manifest).
 2. Measures, each in a fresh process, interleaved over ``--repeats`` rounds (every round starts from no
    output):
    - ``convbert_ds universal.convert``: ``convert(tag_dir, Layout.of_checkpoint(trainer_state), electra)``,
@@ -71,7 +72,7 @@ def write_rank(checkpoint_dir: Path, preset_name: str) -> NoReturn:
     from convbert_ds.formats.train_config import TrainConfig
     from convbert_ds.formats.checkpoint.run_state import RunState
     from convbert_ds.model import ElectraForPretraining
-    from convbert_ds.model.optim import param_groups
+    from convbert_ds.model.optim import WarmupDecay, param_groups
 
     init_process_group("gloo")
     torch.manual_seed(0)
@@ -85,7 +86,7 @@ def write_rank(checkpoint_dir: Path, preset_name: str) -> NoReturn:
     base = json.loads((REPO / "ds_configs" / "zero2_bf16.json").read_text())
     ds_config = build_ds_config(cfg, base, train.micro_batch_size, 1, "fp32")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train.weight_decay),
-                                      config=ds_config)
+                                      config=ds_config, lr_scheduler=WarmupDecay.of(train))
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
     ids = torch.randint(5, VOCAB, (1, SEQ), generator=generator)
     ids[0, 0], ids[0, -1] = 2, 3  # [CLS] ... [SEP]

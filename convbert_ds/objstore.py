@@ -111,8 +111,16 @@ def patience_s() -> float:
 
 
 def _transient(error: Exception) -> bool:
-    from botocore.exceptions import ClientError, ConnectionError, HTTPClientError, ReadTimeoutError
-    if isinstance(error, (ConnectionError, HTTPClientError, ReadTimeoutError)):
+    """A failure that asking again may fix: no answer, a connection cut (botocore raises IncompleteReadError
+    when a body ends short of its length, and boto3 RetriesExceededError when a download's own retries of
+    such cuts ran out: s3transfer's, re-raised as boto3's), or the store saying it is busy or broken (5xx,
+    SlowDown)."""
+    from boto3.exceptions import RetriesExceededError
+    from botocore.exceptions import (ClientError, ConnectionError, HTTPClientError, IncompleteReadError,
+                                     ReadTimeoutError)
+    from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceededError
+    if isinstance(error, (ConnectionError, HTTPClientError, ReadTimeoutError, IncompleteReadError,
+                          RetriesExceededError, TransferRetriesExceededError)):
         return True
     if isinstance(error, ClientError):
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)

@@ -7,7 +7,9 @@
 
 Rerunning the same command resumes from the newest complete checkpoint.
 SIGUSR1/SIGTERM: the current step finishes, a checkpoint is saved, and the
-process exits with code 3 (``EXIT_PREEMPTED``) so a job script can requeue. A rank whose peer is gone
+process exits with code 3 (``EXIT_PREEMPTED``) so a job script can requeue; before the first step has
+ended (waiting for peers, downloading, compiling) SIGUSR1, SIGTERM and SIGINT stop it at once, with code 3
+and nothing to save. A rank whose peer is gone
 (a killed process, a dead node) says so in one line and exits with code 5 (``distributed.EXIT_PEER_LOST``).
 
     python -m convbert_ds.train --config CONFIG.yaml [key=value ...] --check-config [--world-size N]
@@ -57,7 +59,14 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    preemption = Preemption()  # first, so a signal during start-up is remembered, not fatal
+    preemption = Preemption()  # first: a signal before the first step ends stops the process at once
+    try:
+        return _run(argv, preemption)
+    finally:
+        preemption.close()
+
+
+def _run(argv: list[str] | None, preemption: Preemption) -> int:
     # DeepSpeed calls torch.distributed APIs that torch marks deprecated, once per step.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     restore = distributed.saved_torch_vars()  # put back when nothing starts (a caller in this process)
@@ -83,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                     "with --valid-fraction 0.01 to get one, or set eval.interval=0 to silence this")
     for line in host_sync_warnings(plan.ds_config):
         log.warning(f"warning: {line}")
+    note = plan.lr_schedule.note(cfg.train.warmup_steps)  # the warm-up that runs, where it is not the one asked
+    if note and not args.print_config:  # stdout stays the JSON (lr_schedule in it says the same)
+        log.info(note)
     if args.print_config:
         print(json.dumps(dataclasses.asdict(plan), indent=2, default=str))
     compiled = cfg.train.compile_mode if cfg.train.compile else "off"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -105,6 +106,77 @@ class S3Server:
         c.create_bucket(Bucket=bucket)
         for key, data in objects.items():
             c.put_object(Bucket=bucket, Key=key, Body=data)
+
+
+class CuttingProxy:
+    """A TCP proxy in front of a server that cuts the body of the next ``cuts`` GET answers after ``keep``
+    bytes and closes the connection, as a network that drops mid-download does: the client has the headers
+    (with the whole length) and part of the body. Everything else passes through unchanged."""
+
+    def __init__(self, upstream_port: int, cuts: int, keep: int = 1000):
+        self.upstream_port, self.cuts, self.keep, self.cut = upstream_port, cuts, keep, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._requests, args=(downstream, upstream), daemon=True).start()
+
+    def _take_a_cut(self) -> bool:
+        with self._lock:
+            if self.cut < self.cuts:
+                self.cut += 1
+                return True
+            return False
+
+    def _requests(self, downstream, upstream) -> None:
+        first = downstream.recv(65536)
+        cutting = first.startswith(b"GET ") and self._take_a_cut()
+        threading.Thread(target=self._pipe, args=(upstream, downstream, self.keep if cutting else None),
+                         daemon=True).start()
+        data = first
+        while data:
+            try:
+                upstream.sendall(data)
+                data = downstream.recv(65536)
+            except OSError:
+                break
+
+    def _pipe(self, upstream, downstream, keep: int | None) -> None:
+        """Upstream's answer to the client; with ``keep``, its headers and ``keep`` bytes of body, then both
+        connections closed."""
+        seen = b""
+        try:
+            while True:
+                data = upstream.recv(65536)
+                if not data:
+                    break
+                if keep is not None:
+                    seen += data
+                    end = seen.find(b"\r\n\r\n")
+                    if end >= 0 and len(seen) >= end + 4 + keep:
+                        downstream.sendall(seen[:end + 4 + keep])
+                        break
+                    continue
+                downstream.sendall(data)
+        except OSError:
+            pass
+        for connection in (upstream, downstream):  # shutdown first: it wakes the other thread's recv and sends FIN
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            connection.close()
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 def serve(port: int) -> None:

@@ -2,6 +2,7 @@
 
     python -m convbert_ds.convert --checkpoint CKPT_DIR [--tag TAG] --out HF_DIR [--dtype fp32|bf16|fp16]
                                   [--verify] [--force] [--tokenizer DIR]
+                                  [--license ID [--license-name NAME] [--license-link LINK]]
     python -m convbert_ds.convert --from-hf HF_DIR [--from-hf-generator GEN_DIR] [--objective electra|mlm]
                                   [--tokenizer DIR] --out INIT_DIR [--force]
 

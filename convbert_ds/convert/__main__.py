@@ -6,6 +6,7 @@ import shlex
 import sys
 
 from convbert_ds.convert.from_hf import convert_from_hf
+from convbert_ds.convert.model_card import CardLicense
 from convbert_ds.convert.reader import quiet
 from convbert_ds.convert.to_hf import convert_checkpoint
 from convbert_ds.cli import ArgumentParser, exit_on_user_error
@@ -31,11 +32,22 @@ def parse_args(argv):
                         help="with --from-hf: a ConvBertForMaskedLM directory holding the ELECTRA generator")
     parser.add_argument("--objective", choices=("electra", "mlm"), default="electra",
                         help="with --from-hf: the pretraining objective the INIT_DIR is for")
+    parser.add_argument("--license", metavar="ID", help="the model card's license: a Hub license id (apache-2.0, "
+                        "...) or other (then --license-name); none: the card leaves it to you")
+    parser.add_argument("--license-name", metavar="NAME", help="with --license other: its id, e.g. my-license-1.0")
+    parser.add_argument("--license-link", metavar="LINK",
+                        help="with --license other: its text, a URL or LICENSE (a file you add beside the card)")
     args = parser.parse_args(argv)
     if args.checkpoint and (args.from_hf_generator or args.objective != "electra"):
         raise ConvertError("--from-hf-generator and --objective go with --from-hf")
     if args.from_hf and (args.tag or args.verify or args.dtype != "fp32"):
         raise ConvertError("--tag, --verify and --dtype go with --checkpoint")
+    licensed = args.license or args.license_name or args.license_link
+    if args.from_hf and licensed:
+        raise ConvertError("--license, --license-name and --license-link go with --checkpoint (a model card's)")
+    # Checked here, before any work: a refused license is one line, not a failed conversion.
+    args.card_license = CardLicense(args.license or "other", args.license_name, args.license_link) if licensed \
+        else None
     return args
 
 
@@ -50,7 +62,8 @@ def run(args, command: str) -> str:
     with quiet():
         import deepspeed  # noqa: F401  # here, not at the top: only --checkpoint needs it, and quietly
     report = convert_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, verify=args.verify,
-                                force=args.force, tokenizer=args.tokenizer, command=command)
+                                force=args.force, tokenizer=args.tokenizer, command=command,
+                                card_license=args.card_license)
     lines = [f"wrote {args.out}"]
     if report:
         lines.append("verified: max abs difference " + ", ".join(f"{k} {v:.2e}" for k, v in report.items()))

@@ -1,15 +1,27 @@
 """The model card (``README.md``) the converter writes into OUT and each model directory.
 
-It opens with the YAML front matter the Hugging Face Hub reads (``library_name``, ``license`` to fill
-in, ``tags``, ``datasets`` from the shards' manifests, ``pipeline_tag`` per directory), then says what
-the directories hold, how the model was trained (the recipe from the checkpoint's own config, tokens
-seen), its last validation metrics and transfer-probe score when the run's metrics log is readable, the
-model config, and the conversion command.
+It opens with the YAML front matter the Hugging Face Hub reads (its spec:
+https://github.com/huggingface/hub-docs/blob/main/modelcard.md), these keys in this order, each only when
+it has a value::
+
+    library_name: transformers
+    license: ID              # --license: a Hub license id (apache-2.0, ...) or other; absent when not given
+    license_name: NAME       # --license-name, with license other (the Hub requires it then)
+    license_link: LINK       # --license-link, with license other: a URL, or LICENSE for a file in the repo
+    tags: [convbert, electra, convbert_ds, pretraining]
+    datasets: [OWNER/NAME]   # Hub dataset ids only: the shards' sources read from the Hub's cache
+    pipeline_tag: feature-extraction | fill-mask   # per directory
+
+then says what the directories hold, how the model was trained (the recipe from the checkpoint's own config,
+tokens seen, every source file the shards were made from, as their manifests record it), its last
+validation metrics and transfer-probe score when the run's metrics log is readable, the model config, and
+the conversion command.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,27 +29,63 @@ import yaml
 
 from convbert_ds.config import ConfigError, ElectraConfig, ModelConfig
 from convbert_ds.formats.checkpoint.run_state import RunState
+from convbert_ds.formats.init_dir import ConvertError
 from convbert_ds.formats.train_config import TrainConfig
 from convbert_ds.fsutil import file_sha256
+from convbert_ds.model.optim import pretraining_warmup_steps
 
 RTD_HEAD_FILE = "rtd_head.safetensors"
 PIPELINE_TAGS = {"discriminator": "feature-extraction", "generator": "fill-mask"}
+HUB_LICENSES = "https://huggingface.co/docs/hub/repositories-licenses"
+# The Hub's license ids and the ids it asks for in license_name (its example: my-license-1.0).
+_LICENSE_ID = re.compile(r"[a-z0-9][a-z0-9.+-]*")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # one part of a Hub repo id (owner or name)
+SOURCES_LISTED = 20  # per shard directory; the manifest lists them all
+
+
+@dataclass(frozen=True)
+class CardLicense:
+    """The card's license: a Hub license id, or ``other`` with the ``name`` (and ``link``) the Hub then needs.
+    Checked when made: each refusal is one line naming the option and the fix."""
+
+    id: str
+    name: str | None = None
+    link: str | None = None
+
+    def __post_init__(self):
+        if not _LICENSE_ID.fullmatch(self.id):
+            raise ConvertError(f"--license {self.id!r}: not a Hub license id; use one from {HUB_LICENSES} "
+                               "(e.g. apache-2.0), or --license other with --license-name NAME")
+        if self.id != "other" and (self.name or self.link):
+            raise ConvertError(f"--license-name and --license-link go with --license other, not --license {self.id} "
+                               "(a license the Hub knows by its id); drop them or pass --license other")
+        if self.id == "other" and not self.name:
+            raise ConvertError("--license other needs --license-name NAME (an id such as my-license-1.0, and "
+                               "--license-link URL, or LICENSE for a file beside the card): the Hub lists a license "
+                               f"outside {HUB_LICENSES} by that name")
+        if self.name and not _LICENSE_ID.fullmatch(self.name):
+            raise ConvertError(f"--license-name {self.name!r}: use an id of lower-case letters, digits, '.', '+' "
+                               "and '-', e.g. my-license-1.0")
+
+    def front_matter(self) -> dict:
+        return {"license": self.id, "license_name": self.name, "license_link": self.link}
 
 
 @dataclass
 class CardFacts:
-    """What the model card says about where the weights came from."""
+    """What the model card says about where the weights came from, and under which license."""
 
     source: str
     command: str
     trainer_state: RunState | None = None  # None: weights from memory, not a checkpoint
     notes: list[str] = field(default_factory=list)
+    license: CardLicense | None = None  # None: the card has no license key, and says to add one
 
 
 def model_card(electra: ElectraConfig, facts: CardFacts, dtype: str, report: dict | None,
                pipeline_tag: str = "feature-extraction") -> str:
     state = facts.trainer_state
-    lines = [_front_matter(state, pipeline_tag), "", "# ConvBERT pretrained with convbert_ds", "",
+    lines = [_front_matter(state, pipeline_tag, facts.license), "", "# ConvBERT pretrained with convbert_ds", "",
              f"Converted from {facts.source}.", "", *_contents(electra), "", "## Training", ""]
     lines += _training(state)
     lines += _results(state)
@@ -52,34 +100,67 @@ def model_card(electra: ElectraConfig, facts: CardFacts, dtype: str, report: dic
     if report:
         lines.append("Verified against transformers (max abs difference, fp32): "
                      + ", ".join(f"{k} {v:.2e}" for k, v in report.items()) + ".")
-    lines += ["", "## Publishing", "", "Set `license` above first, then: `hf upload ORG/NAME "
-              f"{'discriminator' if pipeline_tag == PIPELINE_TAGS['discriminator'] else 'generator'} .` "
-              "(the `hf` command comes with `huggingface_hub`; `hf auth login` once)."]
+    folder = "discriminator" if pipeline_tag == PIPELINE_TAGS["discriminator"] else "generator"
+    upload = f"`hf upload ORG/NAME {folder} .` (the `hf` command comes with `huggingface_hub`; `hf auth login` once)."
+    # A license is the publisher's decision (the data's terms decide it): without --license the card asks.
+    lines += ["", "## Publishing", "", f"Upload with {upload}" if facts.license else
+              f"No license was given at conversion (`--license`): add `license:` to the front matter above first "
+              f"(an id from {HUB_LICENSES}, or `other` with `license_name` and `license_link`), then: {upload}"]
     return "\n".join(lines) + "\n"
 
 
-def _front_matter(state: RunState | None, pipeline_tag: str) -> str:
-    meta = {"library_name": "transformers", "license": "other",
+def _front_matter(state: RunState | None, pipeline_tag: str, card_license: CardLicense | None) -> str:
+    meta = {"library_name": "transformers", **(card_license.front_matter() if card_license else {}),
             "tags": ["convbert", "electra", "convbert_ds", "pretraining"],
-            "datasets": _dataset_names(state), "pipeline_tag": pipeline_tag}
+            "datasets": _hub_datasets(state), "pipeline_tag": pipeline_tag}
     text = yaml.safe_dump({k: v for k, v in meta.items() if v}, sort_keys=False).rstrip()
-    # A license is the publisher's decision (the data's terms decide it), so the card asks for it.
-    text = text.replace("license: other", "license: other  # set the license your data and use allow, e.g. "
-                                          "apache-2.0 (https://huggingface.co/docs/hub/repositories-licenses)")
     return f"---\n{text}\n---"
 
 
-def _dataset_names(state: RunState | None) -> list[str]:
-    """The sources each training set was sharded from (their file or dataset names), from its manifest."""
-    names = []
+def _sources(set_path: str) -> list[dict]:
+    """The files a shard directory was made from, as its manifest records them (empty when not readable)."""
+    manifest = Path(set_path) / "manifest.json"
+    if not manifest.is_file():
+        return []
+    return [s for s in json.loads(manifest.read_text()).get("sources", []) if isinstance(s, dict)]
+
+
+def hub_dataset_id(path: str) -> str | None:
+    """The Hub dataset a source file was read from, when its path is in the Hub's cache
+    (``.../datasets--OWNER--NAME/snapshots/REVISION/...`` -> ``OWNER/NAME``; ``datasets--NAME``: a canonical id
+    without owner); None for any other file. Hub repo names cannot hold ``--``, so the split is unambiguous."""
+    for part in Path(path).parts:
+        pieces = part.split("--")
+        if pieces[0] == "datasets" and len(pieces) in (2, 3) and all(_HUB_NAME.fullmatch(p) for p in pieces[1:]):
+            return "/".join(pieces[1:])
+    return None
+
+
+def _hub_datasets(state: RunState | None) -> list[str]:
+    """``datasets:`` holds Hub dataset ids only (the Hub links them); local files go in the card's text."""
+    ids = []
     for path, _ in state.sets if state is not None else []:
-        manifest = Path(path) / "manifest.json"
-        if manifest.is_file():
-            for source in json.loads(manifest.read_text()).get("sources", []):
-                name = Path(str(source.get("path", ""))).name
-                if name and name not in names:
-                    names.append(name)
-    return names
+        for source in _sources(path):
+            hub_id = hub_dataset_id(str(source.get("path", "")))
+            if hub_id and hub_id not in ids:
+                ids.append(hub_id)
+    return ids
+
+
+def _source_lines(set_path: str) -> list[str]:
+    """Where a shard directory's text came from: each source as its manifest records it (at most
+    ``SOURCES_LISTED``), and the Hub dataset when the file is in the Hub's cache."""
+    sources = _sources(set_path)
+    lines = []
+    for source in sources[:SOURCES_LISTED]:
+        hub_id = hub_dataset_id(str(source.get("path", "")))
+        facts = [str(source.get("format", "?")) + (f", {source['compression']}" if source.get("compression") else "")]
+        facts += [f"{source[key]:,} {key}" for key in ("bytes", "documents") if isinstance(source.get(key), int)]
+        lines.append(f"  - from `{source.get('path')}` ({', '.join(facts)})"
+                     + (f", the Hub dataset `{hub_id}`" if hub_id else ""))
+    if len(sources) > SOURCES_LISTED:
+        lines.append(f"  - and {len(sources) - SOURCES_LISTED:,} more files, listed in its manifest.json")
+    return lines
 
 
 def _contents(electra: ElectraConfig) -> list[str]:
@@ -108,10 +189,13 @@ def _training(state: RunState | None) -> list[str]:
     config = _config(state)
     if config is not None:
         t, d, m = config.train, config.data, config.model
+        # The warm-up that ran (engine.plan.lr_schedule), and what was asked where they differ.
+        warmup = pretraining_warmup_steps(t.warmup_steps, t.steps)
+        asked = f" (train.warmup_steps={t.warmup_steps}: at most steps - 1)" if warmup != t.warmup_steps else ""
         lines.append(f"- recipe: {m.objective} from preset `{m.preset}`, masking `{m.masking}`, sequences of "
                      f"{d.seq_len} tokens, global batch {t.global_batch_size}, AdamW peak lr {t.lr:g} "
                      f"(betas {t.adam_beta1:g}/{t.adam_beta2:g}, eps {t.adam_eps:g}, weight decay "
-                     f"{t.weight_decay:g}), {t.warmup_steps:,} warm-up steps then linear decay over "
+                     f"{t.weight_decay:g}), {warmup:,} warm-up steps{asked} then linear decay over "
                      f"{t.steps:,} steps, gradient clipping {t.grad_clip:g}")
     phase = state.phase
     if phase.index > 1:
@@ -125,6 +209,7 @@ def _training(state: RunState | None) -> list[str]:
         manifest = Path(path) / "manifest.json"
         digest = file_sha256(manifest) if manifest.is_file() else "not found at conversion time"
         lines.append(f"- data: `{path}` (weight {weight}, manifest.json sha256 {digest})")
+        lines += _source_lines(path)
     tok = state.tokenizer or {}
     if tok:
         lines.append(f"- tokenizer: {tok.get('kind')}, vocab {tok.get('vocab_size')}, special ids "

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from convbert_ds.config import ElectraConfig
-from convbert_ds.convert.model_card import PIPELINE_TAGS, RTD_HEAD_FILE, CardFacts, model_card
+from convbert_ds.convert.model_card import PIPELINE_TAGS, RTD_HEAD_FILE, CardFacts, CardLicense, model_card
 from convbert_ds.convert.reader import open_checkpoint, read_state_dict
 from convbert_ds.convert.verify import verify_output
 from convbert_ds.formats.init_dir import ConvertError
@@ -126,8 +126,9 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
 
 def convert_checkpoint(checkpoint_dir, out, tag: str | None = None, dtype: str = "fp32", verify: bool = False,
                        force: bool = False, tokenizer=None, command: str | None = None,
-                       native_ok: bool = False) -> dict | None:
-    """DeepSpeed checkpoint -> OUT (transformers dirs). Returns the verification report (max abs diffs)."""
+                       native_ok: bool = False, card_license: CardLicense | None = None) -> dict | None:
+    """DeepSpeed checkpoint -> OUT (transformers dirs). Returns the verification report (max abs diffs).
+    ``card_license``: the model card's license (``--license``); None leaves it to the publisher."""
     out = Path(out)
     refuse_non_empty(out, force, error=ConvertError)
     ckpt = open_checkpoint(checkpoint_dir, tag)
@@ -137,7 +138,7 @@ def convert_checkpoint(checkpoint_dir, out, tag: str | None = None, dtype: str =
         command = " ".join(["python -m convbert_ds.convert", "--checkpoint", str(ckpt.root), "--tag", ckpt.tag,
                             "--out", str(out), "--dtype", dtype] + (["--verify"] if verify else []))
     facts = CardFacts(source=f"`{ckpt.directory}` ({ckpt.describe()}; weights: {source})", command=command,
-                      trainer_state=ckpt.state)
+                      trainer_state=ckpt.state, license=card_license)
     return write_hf(out, weights, ckpt.electra, tokenizer_dir, facts, dtype=dtype, verify=verify, force=force,
                     native_ok=native_ok)
 

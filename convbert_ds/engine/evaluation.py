@@ -1,6 +1,11 @@
 """Evaluation on the validation split every ``eval.interval`` steps and after the last one: the metrics
 averaged over every data-parallel rank's share, logged to the console, the metrics files and the progress
-record (which keeps the best validation loss for the run's summary)."""
+record (which keeps the best validation loss for the run's summary).
+
+Each metric is the mean of the batches' values, but for ``rtd_auc``: the AUC of the whole validation set
+(every rank's share together), from the discriminator's scores counted in bins on the device
+(``model.electra.rtd_score_counts``, ``histogram_auc``; error bound there). A mean of per-batch AUCs is not
+the set's AUC: it ignores how scores compare across batches. The pass reads the device once, at its end."""
 
 from __future__ import annotations
 
@@ -8,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from convbert_ds.engine.pipeline import pipeline_batch, pipeline_metrics
-from convbert_ds.engine.train_step import MetricSums, TrainStep
+from convbert_ds.engine.train_step import TrainStep
 from convbert_ds.log import get_logger
+from convbert_ds.model.electra import histogram_auc
 
 log = get_logger(__name__)
 
@@ -59,18 +65,40 @@ class Evaluation:
         batches = [pipeline_batch(self.train_step.to_device(b)) for b in self.loader]
         if not batches:
             return {}
-        self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))
-        return pipeline_metrics(self.engine)
+        loss_fn = self.engine.module.loss_fn
+        loss_fn.count_rtd_scores = True  # the last stage counts the scores; pipeline_metrics takes the AUC
+        try:
+            self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))
+            return pipeline_metrics(self.engine)
+        finally:
+            loss_fn.count_rtd_scores = False
 
     def _plain_metrics(self) -> dict:
-        sums = MetricSums()
+        sums: dict[str, torch.Tensor] = {}
+        counts, batches = None, 0
         for batch in self.loader:
-            sums.add(self.train_step.forward(batch))
-        keys = sorted(sums.sums)
+            out = self.train_step.forward(batch)
+            for key, value in out.metric_tensors(batch_auc=False).items():
+                sums[key] = sums[key] + value if key in sums else value
+            counts = out.rtd_score_counts(counts)
+            batches += 1
+        return self._reduce(sums, batches, counts)
+
+    def _reduce(self, sums: dict[str, torch.Tensor], batches: int, counts: torch.Tensor | None) -> dict:
+        """Every rank's sums, batch count and score counts added by one all-reduce, then one read. Ranks run
+        the same model, so they hold the same keys and their packed tensors line up."""
+        keys = sorted(sums)
         # On the rank's device: NCCL reduces CUDA tensors only (a CPU tensor fails the first eval on GPUs).
-        packed = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.engine.device)
+        device = self.engine.device
+        packed = torch.zeros(len(keys) + 1, dtype=torch.float64, device=device)
         if keys:
-            packed[:-1] = torch.stack([sums.sums[k] for k in keys])
-        packed[-1] = sums.count
+            packed[:-1] = torch.stack([sums[k] for k in keys])
+        packed[-1] = batches
+        if counts is not None:
+            packed = torch.cat([packed, counts])
         dist.all_reduce(packed)
-        return {k: packed[i].item() / max(packed[-1].item(), 1) for i, k in enumerate(keys)}
+        means = packed[:len(keys)] / packed[len(keys)].clamp_min(1)
+        if counts is not None:
+            means = torch.cat([means, histogram_auc(packed[len(keys) + 1:]).view(1)])
+            keys.append("rtd_auc")
+        return dict(sorted(zip(keys, means.tolist())))  # the pass's one read; keys in their old order

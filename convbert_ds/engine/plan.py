@@ -36,6 +36,7 @@ from convbert_ds.formats.checkpoint.universal import Layout
 from convbert_ds.formats.train_config import PROFILE_KINDS, DataSection, TrainConfig
 from convbert_ds.formats.init_dir import init_generator_config, init_model_config, read_init
 from convbert_ds.formats.shard_manifest import read_manifest, read_store_manifest
+from convbert_ds.model.optim import WarmupDecay
 from convbert_ds.errors import UserError
 from convbert_ds.fsutil import read_json
 from convbert_ds.objstore import StoreError, Url, is_url
@@ -73,6 +74,8 @@ class RunPlan:
     tokenizer: dict  # the shards' tokenizer, as their manifest records it
     has_valid: bool  # every shard dir has a validation split (as listed; prepare opens them)
     micro_batch_size: int  # train.micro_batch_size, or global / data-parallel ranks when that is null
+    # the lr schedule as it runs (deepspeed.initialize's lr_scheduler: DeepSpeed's own runs 2+ warm-up steps)
+    lr_schedule: WarmupDecay
     # train.cuda_graphs resolved (inductor, capture or off: auto decided) and, when auto did not capture, why
     cuda_graphs: str = "inductor"
     cuda_graphs_why: str = ""
@@ -185,10 +188,7 @@ def build_ds_config(cfg: TrainConfig, base: dict, micro_batch_size: int, grad_ac
         # torch's AdamW: no CUDA extension to build, and it runs on CPU ranks too. fused: one kernel per
         # parameter group instead of a dozen ops per tensor (DeepSpeed passes the key on to torch).
         "torch_adam": True, "adam_w_mode": True, "fused": True}}
-    warmup = max(2, min(t.warmup_steps, t.steps - 1))
-    ds["scheduler"] = {"type": "WarmupDecayLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": warmup,
-        "total_num_steps": max(t.steps, warmup + 1), "warmup_type": "linear"}}
+    # No "scheduler": the trainer hands DeepSpeed its own (RunPlan.lr_schedule, model.optim.WarmupDecay).
     # The trainer logs its own throughput; DeepSpeed's timer (on unless a file says otherwise) syncs twice a step.
     ds["timers"] = {**ds.get("timers", {})}
     ds["timers"]["throughput"] = {"enabled": False, **ds["timers"].get("throughput", {})}
@@ -489,6 +489,7 @@ def resolve(cfg: TrainConfig, world_size: int, cuda: bool | None = None) -> RunP
     _check_store_urls(cfg)
     continue_from = check_checkpoints(cfg, electra, first.tokenizer)
     return RunPlan(cfg=cfg, world_size=world_size, ds_config=ds_config, grad_accum=grad_accum, precision=precision,
+                   lr_schedule=WarmupDecay.of(cfg.train),
                    electra=electra, sets=sets, tokenizer=first.tokenizer,
                    has_valid=all(with_valid), micro_batch_size=micro_batch_size,
                    continue_from=continue_from, cuda_graphs=cuda_graphs, cuda_graphs_why=cuda_graphs_why,

@@ -1,7 +1,20 @@
 """What the host must learn between steps, learnt without stalling the accelerator every step.
 
 Two things can stop a training loop: a preemption signal (SIGUSR1/SIGTERM, on any rank) and losses that
-are no longer finite. Reading either from a device tensor every step (``.item()`` after an all-reduce)
+are no longer finite.
+
+Before the first step has ended there is nothing to save, so SIGUSR1, SIGTERM and SIGINT stop the process at
+once, whatever it is doing: waiting for its peers, downloading from a store, building indexes, compiling.
+Python runs a signal handler only when the main thread is back in Python, and a rank waiting in the
+rendezvous is in C++ for as long as its timeout (a trainer sent SIGTERM while waiting for peers that never
+came was still there 8 minutes later). So the handlers only record the signal; its number also reaches a
+wakeup socket (``signal.set_wakeup_fd``, written at C level by the interpreter's own handler), which a thread
+of its own reads: it says ``received SIGTERM: stopped before training started: nothing to save`` and exits
+with ``EXIT_PREEMPTED``, as a preempted run does (a job script requeues on it; the newest checkpoint, if
+any, is where a rerun resumes). From the end of the first step on, SIGUSR1 and SIGTERM mean: finish the
+step, save, exit ``EXIT_PREEMPTED``; SIGINT is Python's KeyboardInterrupt again.
+
+Between steps: Reading either from a device tensor every step (``.item()`` after an all-reduce)
 makes the host wait for the whole step to finish before it may queue the next one, which on a GPU costs
 more than the step's small kernels. So:
 
@@ -23,7 +36,11 @@ dropped; it costs a device sync per micro-batch.
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +48,12 @@ import torch
 import torch.distributed as dist
 
 from convbert_ds.formats.train_config import TrainSection
+from convbert_ds.log import EVERY_RANK, get_logger
+
+log = get_logger(__name__)
+
+EXIT_PREEMPTED = 3  # stopped by a signal; what is on disk is the newest checkpoint: rerun (or requeue) to resume
+STOPPING_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 class TrainingError(RuntimeError):
@@ -48,16 +71,62 @@ class Verdict:
 
 
 class StepGuard:
-    """Remembers SIGUSR1/SIGTERM from construction on; counts non-finite losses on ``device`` once ``start``ed."""
+    """From construction until the first step has ended, SIGUSR1/SIGTERM/SIGINT stop the process at once;
+    from then on SIGUSR1/SIGTERM are remembered for ``end_step``. Counts non-finite losses on ``device``
+    once ``start``ed. Construct it in the main thread, first."""
 
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
         self.group = None
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOPPING_SIGNALS}
+        reader, self._wakeup = socket.socketpair()
+        self._wakeup.setblocking(False)  # the interpreter's C handler must never block on it
+        self._previous_wakeup = signal.set_wakeup_fd(self._wakeup.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._stop_before_training, args=(reader,), name="stop-before-training",
+                         daemon=True).start()
 
     def _handle(self, signum, frame):
         self.requested = True
+
+    def _stop_before_training(self, reader: socket.socket) -> None:
+        """The wakeup socket's reader: exits the process on the first stopping signal, until ``_trained``
+        closes the socket."""
+        while True:
+            try:
+                data = reader.recv(1)
+            except OSError:
+                return
+            if not data:  # closed: training has begun
+                return
+            if data[0] in STOPPING_SIGNALS:
+                log.error(f"received {signal.Signals(data[0]).name}: stopped before training started: nothing "
+                          "to save", extra=EVERY_RANK)
+                sys.stderr.flush()
+                os._exit(EXIT_PREEMPTED)  # the main thread may be in C++ for minutes: no unwinding
+
+    def _close_wakeup(self) -> None:
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            self._wakeup.close()  # the reader sees the end and returns
+            self._wakeup = None
+
+    def _trained(self) -> None:
+        """The first step has ended: signals are the step loop's from now on (main thread only)."""
+        if self._wakeup is None:
+            return
+        self._close_wakeup()
+        signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
+        if self.requested:  # arrived while the first step ended, before the socket closed: still nothing saved
+            log.error("received a stopping signal: stopped before training started: nothing to save",
+                      extra=EVERY_RANK)
+            sys.stderr.flush()
+            os._exit(EXIT_PREEMPTED)
+
+    def close(self) -> None:
+        """The process's signal handling as it was before (a caller that runs ``train.main`` in-process)."""
+        self._close_wakeup()
+        for sig, previous in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
 
     def start(self, device: torch.device, train: TrainSection, precision: str, step: int, nonfinite_total: int,
               resume_dir: Path) -> None:
@@ -89,6 +158,7 @@ class StepGuard:
         """Close a step with one host all-reduce; on check steps, before a save and on a preemption (which
         saves) it also carries the counts read from the device. Raises ``TrainingError`` when they say the
         run cannot go on."""
+        self._trained()
         self._in_a_row = (self._in_a_row + 1) * self._step_bad
         self._worst = torch.maximum(self._worst, self._in_a_row)
         self._step_bad.zero_()

@@ -51,6 +51,7 @@ class StepLog:
     def write(self, step: int, metrics: dict) -> None:
         now = time.perf_counter()
         metrics = {**metrics, **self._measures(step, (now - self.timed_from) / (step - self.timed_step))}
+        self.progress.record_pace(step - self.timed_step, now - self.timed_from)  # before the line: its ETA
         self.timed_from, self.timed_step = now, step
         self.graphs.check(step, metrics["cuda_graphs"])
         log.info(f"{self.progress.prefix()} {format_line(step, self.cfg.train.steps, metrics)} | "

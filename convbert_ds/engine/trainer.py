@@ -30,7 +30,7 @@ from convbert_ds.engine.profiling import StepProfiler
 from convbert_ds.engine.progress import RunProgress
 from convbert_ds.engine.resume import resume
 from convbert_ds.engine.step_graphs import StepGraphs
-from convbert_ds.engine.step_guard import StepGuard, TrainingError, Verdict
+from convbert_ds.engine.step_guard import EXIT_PREEMPTED, StepGuard, TrainingError, Verdict
 from convbert_ds.engine.step_log import StepLog
 from convbert_ds.engine.train_step import TrainStep
 from convbert_ds.formats.checkpoint.run_state import RunState
@@ -45,9 +45,7 @@ __all__ = ["EXIT_PREEMPTED", "Preemption", "Trainer", "TrainingError"]
 
 log = get_logger(__name__)
 
-EXIT_PREEMPTED = 3
-
-# The name train.py and job scripts know: it catches SIGUSR1/SIGTERM from the start (see step_guard.py).
+# The name train.py and job scripts know: it catches SIGUSR1/SIGTERM/SIGINT from the start (see step_guard.py).
 Preemption = StepGuard
 
 
@@ -121,7 +119,7 @@ class Trainer:
 
     def _start_engine(self, model: torch.nn.Module):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(
-            model, self.cfg.train.weight_decay), config=self.plan.ds_config)
+            model, self.cfg.train.weight_decay), config=self.plan.ds_config, lr_scheduler=self.plan.lr_schedule)
         # After the engine has put the parameters where they stay: a capture records their addresses.
         self.graphs.capture(engine.module, engine.device, write_grads=self.plan.whole_fp32_grads,
                             accumulates=self.plan.grad_accum > 1)

@@ -21,7 +21,7 @@ from convbert_ds.finetune.recipe import Recipe, add_recipe_options
 from convbert_ds.finetune.run import RunSpec, run
 from convbert_ds.finetune.squad import SQUAD_TASKS, QATask, read_squad
 from convbert_ds.finetune.tagging import TAGGING_TASKS, TaggingTask, label_set, read_conll
-from convbert_ds.finetune.tasks import TASK_TYPES, read_custom, read_glue
+from convbert_ds.finetune.tasks import POSITIVE_LABEL_OPTION, TASK_TYPES, read_custom, read_glue
 from convbert_ds.fsutil import FORCE_FLAG
 
 
@@ -53,11 +53,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     custom.add_argument("--label-column", help="the column holding the label")
     custom.add_argument("--task-type", choices=TASK_TYPES, help="None: regression if every train label is a number "
                         "and one is not whole, else classification")
+    custom.add_argument(POSITIVE_LABEL_OPTION, metavar="LABEL",
+                        help="F1's positive class, for two labels (None: the positive side of 1/0, 1/-1, true/false, "
+                        "yes/no, positive/negative or pos/neg in any case, else the label that sorts second)")
     add_recipe_options(parser)
     return parser.parse_args(argv)
 
 
 def read_task(args: argparse.Namespace):
+    _check_positive_label(args)
     if args.task and (args.glue_task or not (args.train and args.validation)):
         files = "SQuAD's JSON files (e.g. train-v1.1.json, dev-v1.1.json)" if args.task in SQUAD_TASKS else \
             "CoNLL-style files (e.g. CoNLL-2003's train.txt and valid.txt)"
@@ -86,7 +90,22 @@ def read_task(args: argparse.Namespace):
         raise FinetuneError(f"no task: pass --glue-task NAME --data-dir DIR, or a custom task (missing "
                             f"{', '.join(missing)})")
     return read_custom(args.train, args.validation, args.text_column, args.label_column,
-                       text_pair_column=args.text_pair_column, task_type=args.task_type)
+                       text_pair_column=args.text_pair_column, task_type=args.task_type,
+                       positive_label=args.positive_label)
+
+
+def _check_positive_label(args: argparse.Namespace) -> None:
+    """--positive-label is a custom task's; the others' positive class is fixed or there is none. (A custom
+    task's labels are checked once read, in read_custom.)"""
+    if args.positive_label is None:
+        return
+    option = f"{POSITIVE_LABEL_OPTION} {args.positive_label}"
+    if args.glue_task:
+        raise FinetuneError(f"{option}: GLUE tasks keep the benchmark's positive class (MRPC's and QQP's '1'); drop "
+                            "the option, which is for custom classification tasks with two labels")
+    if args.task:
+        raise FinetuneError(f"{option}: --task {args.task} has no positive class; drop the option, which is for "
+                            "custom classification tasks with two labels")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from convbert_ds.finetune.tasks import TaskData
+from convbert_ds.finetune.tasks import TaskData, default_positive_label
 
 _F1_TASKS = ("mrpc", "qqp")
 _MCC_TASKS = ("cola", "custom")
@@ -21,12 +21,12 @@ def accuracy(predictions, references) -> float:
     return float(np.mean(predictions == references))
 
 
-def f1(predictions, references) -> float:
-    """Binary F1 of class 1 (the positive class of GLUE's binary tasks); 0.0 without any positive."""
+def f1(predictions, references, positive: int = 1) -> float:
+    """Binary F1 of class ``positive`` (1: GLUE's "1" of MRPC and QQP); 0.0 without any positive."""
     predictions, references = _arrays(predictions, references)
-    true_positives = np.sum((predictions == 1) & (references == 1))
-    false_positives = np.sum((predictions == 1) & (references != 1))
-    false_negatives = np.sum((predictions != 1) & (references == 1))
+    true_positives = np.sum((predictions == positive) & (references == positive))
+    false_positives = np.sum((predictions == positive) & (references != positive))
+    false_negatives = np.sum((predictions != positive) & (references == positive))
     denominator = 2 * true_positives + false_positives + false_negatives
     return float(2 * true_positives / denominator) if denominator else 0.0
 
@@ -74,7 +74,8 @@ def compute_metrics(task: TaskData, predictions, references) -> dict[str, float]
     """Every metric the task reports, keyed as ``task.metric`` names the primary one.
 
     Classification: ``predictions``/``references`` are class indices into ``task.label_names``;
-    "accuracy" always, "f1" for MRPC, QQP and binary custom tasks, "mcc" for CoLA and custom tasks.
+    "accuracy" always, "f1" for MRPC, QQP and binary custom tasks (of ``task.positive_label``), "mcc" for CoLA
+    and custom tasks.
     Regression: floats; "pearson", "spearman" and "mse".
     """
     if task.task_type == "regression":
@@ -88,10 +89,17 @@ def compute_metrics(task: TaskData, predictions, references) -> dict[str, float]
                              f"({', '.join(task.label_names)}), got {values.min()} to {values.max()}")
     metrics = {"accuracy": accuracy(predicted, true)}
     if task.name in _F1_TASKS or (task.name == "custom" and len(task.label_names) == 2):
-        metrics["f1"] = f1(predicted, true)
+        metrics["f1"] = f1(predicted, true, positive=_positive_class(task))
     if task.name in _MCC_TASKS:
         metrics["mcc"] = matthews_corrcoef(predicted, true)
     return metrics
+
+
+def _positive_class(task: TaskData) -> int:
+    """The index of the class F1 counts: ``task.positive_label``, or for a TaskData made without one (by hand,
+    not by the readers) the default the readers would choose ("1" for MRPC and QQP)."""
+    label = task.positive_label or default_positive_label(task.label_names)[0]
+    return task.label_names.index(label)
 
 
 def _arrays(predictions, references, dtype=np.int64) -> tuple[np.ndarray, np.ndarray]:

@@ -89,8 +89,13 @@ def _placement() -> Placement:
 
 
 def _settings(spec: RunSpec, recipe: Recipe, model_description: str) -> dict:
-    return {"task": {"name": spec.task.name, "type": spec.task.task_type, "labels": spec.task.label_names,
-                     "metric": spec.task.metric, "source": spec.task.source},
+    task = {"name": spec.task.name, "type": spec.task.task_type, "labels": spec.task.label_names,
+            "metric": spec.task.metric, "source": spec.task.source}
+    # A two-label custom task's F1 positive class: it changes the number. (GLUE's is the benchmark's, fixed by the
+    # task's name; recording it too would refuse to resume every MRPC and QQP run begun before it was recorded.)
+    if spec.task.name == "custom" and getattr(spec.task, "positive_label", None) is not None:
+        task["positive_label"] = spec.task.positive_label
+    return {"task": task,
             "model": spec.model, "model_resolved": model_description,
             "init": "random" if spec.random_init else "pretrained", "recipe": asdict(recipe)}
 

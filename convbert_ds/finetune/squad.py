@@ -11,8 +11,12 @@ other window (and every window of an unanswerable question) points at ``[CLS]``.
 Decoding takes, per question and over its windows, the ``n_best`` highest start and end scores, keeps spans
 inside the context, in order and at most ``max_answer_length`` tokens long, and answers with the context's
 characters under the best one. Its null score is the smallest ``[CLS]`` start + end score over the windows;
-``null_odds`` = null score - best span score. v2.0 answers "" when the odds are above a threshold chosen on
-the dev set (the official script's best-F1 threshold over ``null_odds.json``).
+``null_odds`` = null score - best span score (infinite when no span qualifies). v2.0 answers "" when the odds
+are above a threshold: the dev set's best-F1 one (``squad_metric.best_threshold``), which later splits
+reuse; on dev, the written predictions score the reported ``best_f1``. ``write_predictions`` writes
+``predictions.json`` (threshold applied) and ``null_odds.json``, and the report gives the threshold as
+``null_threshold``: the official v2.0 script run with ``--na-prob-file null_odds.json --na-prob-thresh
+THRESHOLD`` prints the reported ``exact``/``f1``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from convbert_ds.finetune.errors import FinetuneError
-from convbert_ds.finetune.squad_metric import best_threshold, f1, gold_texts, squad_v1, squad_v2
+from convbert_ds.finetune.squad_metric import answers_nothing, squad_v1, squad_v2
 from convbert_ds.fsutil import write_json_atomically
 
 SQUAD_TASKS = ("squad", "squad_v2")
@@ -200,28 +204,31 @@ def decode(questions: list[Question], data: Windows, start_logits: list, end_log
 
 
 def apply_threshold(decoded: Decoded, threshold: float) -> dict[str, str]:
-    """v2.0: "" for every question whose null odds are above ``threshold``."""
-    return {q: "" if decoded.null_odds[q] > threshold else text for q, text in decoded.predictions.items()}
+    """v2.0: "" for every question whose null odds are above ``threshold`` (the metric's own comparison)."""
+    return {q: "" if answers_nothing(decoded.null_odds[q], threshold) else text
+            for q, text in decoded.predictions.items()}
 
 
 def score(task: QATask, questions: list[Question], decoded: Decoded, threshold: float | None = None
           ) -> tuple[dict, dict[str, str], float | None]:
     """The split's metrics, its final predictions and (v2.0) the null threshold used: ``threshold``, or the
-    best-F1 one on these questions when None (the dev set's own, as the official recipe chooses it)."""
+    best-F1 one on these questions when None (the dev set's own, as the official recipe chooses it). v2.0's
+    ``exact``/``f1`` are the final predictions' under that threshold; ``best_*`` are searched over the spans
+    before it, so on dev ``f1`` is ``best_f1`` and on a later split ``best_f1`` is the most any threshold gives."""
     golds = {q.id: [text for text, _ in q.answers] for q in questions}
     if not task.version_2:
         return squad_v1(golds, decoded.predictions), decoded.predictions, None
     if threshold is None:
-        has_answer = {q: bool(gold_texts(a)[0]) for q, a in golds.items()}
-        per_question = {q: max(f1(decoded.predictions[q], g) for g in gold_texts(a)) for q, a in golds.items()}
-        threshold = best_threshold(per_question, decoded.null_odds, has_answer, decoded.predictions)[1]
-    final = apply_threshold(decoded, threshold)
-    report = squad_v2(golds, final, decoded.null_odds)
-    return {**report, "null_threshold": threshold}, final, threshold
+        threshold = squad_v2(golds, decoded.predictions, decoded.null_odds)["best_f1_thresh"]
+    # Scoring the spans under the threshold scores the final predictions: above it, both count as "no answer".
+    report = squad_v2(golds, decoded.predictions, decoded.null_odds, threshold)
+    return {**report, "null_threshold": threshold}, apply_threshold(decoded, threshold), threshold
 
 
 def write_predictions(directory: Path, predictions: dict[str, str], null_odds: dict[str, float] | None) -> None:
-    """``predictions.json`` (and v2.0's ``null_odds.json``) as the official evaluation scripts read them."""
+    """``predictions.json`` (and v2.0's ``null_odds.json``, question id -> null odds, the official v2.0
+    script's ``--na-prob-file``) as the official evaluation scripts read them; infinite odds (no span) are
+    written as 1e9, which is above any threshold the dev set can choose."""
     directory.mkdir(parents=True, exist_ok=True)
     write_json_atomically(directory / "predictions.json", predictions)
     if null_odds is not None:

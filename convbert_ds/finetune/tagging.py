@@ -5,10 +5,18 @@ A file holds one token a line, its tag in the last whitespace-separated column (
 Words are tokenized by the model's tokenizer; a word's tag trains and is predicted on its first sub-token
 only (the others are ignored), and words past ``--max-seq-length`` are predicted ``O``.
 
-The metric is the field's: entities (chunks) are read from the tags as conlleval and seqeval's default mode
-read them, so IOB1 (CoNLL-2003's original files) and IOB2 both work: a chunk starts at ``B-X``, or at
-``I-X`` not following a tag of type X; it goes on while ``I-X`` follows. Precision, recall and F1 are over
-whole chunks (type and boundaries exact), micro-averaged over the split; token accuracy is reported too.
+The metric is the field's: entities (chunks) are read from the tags as seqeval's default mode and conlleval
+(its IOBES-aware versions, conlleval.py among them) read them, so IOB1 (CoNLL-2003's original files), IOB2 and
+IOBES (BIOES) all work, and BILOU, whose ``L-``/``U-`` are read as ``E-``/``S-``. A chunk starts at ``B-X`` or
+``S-X``, and at ``I-X`` or ``E-X`` after ``O``, after a chunk's end (``E-``, ``S-``) or after another type; it
+goes on while ``I-X`` or ``E-X`` follows ``B-X`` or ``I-X``, and ends after ``E-X`` or ``S-X``, before ``B-``,
+``S-`` or ``O``, or where the type changes. So ``S-X`` is a one-word chunk and ``B-X I-X E-X`` one chunk
+ending at ``E-X``. Precision, recall and F1 are over whole chunks (type and boundaries exact), micro-averaged
+over the split; token accuracy is reported too.
+
+A tag is ``O`` or one of those prefixes and a type (``B-PER``); any other is refused when the file is read,
+naming the file and line: another prefix (``X-PER``, ``M-LOC``), and a tag without one (``PER``), from which
+conlleval reads a type-less chunk tag and seqeval the prefix ``P`` of a type ``ER``: no entity either way.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ def read_conll(path) -> list[Sentence]:
                 raise FinetuneError(f"{path}:{number}: {line.strip()!r} has no tag; a line is a token and its tag "
                                     "(the tag last), a blank line between sentences")
             words.append(columns[0])
-            tags.append(columns[-1])
+            tags.append(_checked_tag(path, number, columns[-1]))
     if words:
         sentences.append(Sentence(words, tags))
     if not sentences:
@@ -114,17 +122,65 @@ def encode_tags(tokenizer, task: TaggingTask, sentences: list[Sentence], max_seq
     return data
 
 
+# The prefixes read, as IOBES letters: BILOU's L- (last) and U- (unit) are IOBES's E- (end) and S- (single).
+_PREFIXES = {"B": "B", "I": "I", "E": "E", "S": "S", "L": "E", "U": "S"}
+TAG_SCHEMES = "O, or B-, I-, E- or S- and a type, e.g. B-PER (IOB1, IOB2, IOBES/BIOES; BILOU's L-/U- as E-/S-)"
+
+
+def split_tag(tag: str) -> tuple[str, str]:
+    """A tag's (IOBES prefix, type), ("O", "") for ``O``; a ValueError saying what is wrong with any other."""
+    if tag == "O":
+        return "O", ""
+    prefix, dash, kind = tag.partition("-")
+    if not dash:
+        raise ValueError(f"tag {tag!r} has no prefix, so no entity type can be read from it; write it "
+                         f"B-{tag}/I-{tag} (IOB2) or S-{tag} for a one-word entity, or O for none")
+    if prefix not in _PREFIXES:
+        raise ValueError(f"tag {tag!r} has the prefix {prefix + '-'!r}, which no tag scheme read here uses")
+    if not kind:
+        raise ValueError(f"tag {tag!r} has no type after its prefix")
+    return _PREFIXES[prefix], kind
+
+
+def _checked_tag(path: Path, number: int, tag: str) -> str:
+    try:
+        split_tag(tag)
+    except ValueError as problem:
+        raise FinetuneError(f"{path}:{number}: {problem}; tags are {TAG_SCHEMES}") from None
+    return tag
+
+
+# conlleval's endOfChunk and startOfChunk with S- (seqeval's default mode), for prefixes already read as IOBES
+# letters; ``previous`` is the tag before (O before the first word), ``kind`` a type ("" for O).
+def _chunk_ends(previous: str, prefix: str, previous_kind: str, kind: str) -> bool:
+    """Whether a chunk ended on the word before this one."""
+    if previous in ("E", "S"):
+        return True
+    if previous in ("B", "I") and prefix in ("B", "S", "O"):
+        return True
+    return previous != "O" and previous_kind != kind
+
+
+def _chunk_starts(previous: str, prefix: str, previous_kind: str, kind: str) -> bool:
+    """Whether a chunk starts on this word."""
+    if prefix in ("B", "S"):
+        return True
+    if prefix in ("I", "E") and previous in ("O", "E", "S"):
+        return True
+    return prefix != "O" and previous_kind != kind
+
+
 def chunks(tags: list[str]) -> set[tuple[str, int, int]]:
-    """The (type, first word, last word) of every entity in ``tags`` (IOB1 or IOB2, see the module)."""
-    found, kind, start = set(), None, 0
-    for i, tag in enumerate([*tags, "O"]):
-        prefix, _, tag_type = tag.partition("-") if "-" in tag else (tag, "", "")
-        continues = prefix == "I" and tag_type == kind
-        if kind is not None and not continues:
-            found.add((kind, start, i - 1))
-            kind = None
-        if prefix in ("B", "I") and not continues:
-            kind, start = tag_type, i
+    """The (type, first word, last word) of every entity in ``tags`` (IOB1, IOB2, IOBES or BILOU, see the module);
+    a tag of no scheme is a ValueError (the reader refuses it first)."""
+    found, previous, previous_kind, start = set(), "O", "", 0
+    for i, tag in enumerate([*tags, "O"]):  # the trailing O ends a chunk still open at the sentence's end
+        prefix, kind = split_tag(tag)
+        if _chunk_ends(previous, prefix, previous_kind, kind):
+            found.add((previous_kind, start, i - 1))
+        if _chunk_starts(previous, prefix, previous_kind, kind):
+            start = i
+        previous, previous_kind = prefix, kind
     return found
 
 

@@ -17,6 +17,9 @@ from datasets.exceptions import DatasetGenerationError
 
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.formats.task_names import GLUE_TASKS, TASK_TYPES
+from convbert_ds.log import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -35,6 +38,9 @@ class TaskData:
     evals: dict[str, list[Example]]  # ordered: the first entry is the primary eval split
     metric: str  # primary metric key of metrics.compute_metrics
     source: dict  # where it came from (paths, columns), JSON-serialisable, for results.json
+    # The class F1 counts as positive, one of label_names: MRPC's and QQP's official "1", a two-label custom
+    # task's --positive-label or its default (choose_positive_label); None where no F1 is reported.
+    positive_label: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,6 +65,7 @@ class _GlueSpec:
     # official processor skips; anywhere else a short row means the file is not the official one.
     skip_malformed: bool = False
     evals: tuple[str, ...] = ("dev",)
+    positive: str | None = None  # the positive class of the benchmark's F1 (MRPC, QQP)
 
 
 _BINARY = ("0", "1")
@@ -67,8 +74,9 @@ _GLUE = {
     "cola": _GlueSpec("CoLA", _BINARY, "mcc", "sentence", None, "label",
                       header=("source", "label", "original_mark", "sentence")),
     "sst2": _GlueSpec("SST-2", _BINARY, "accuracy", "sentence", None, "label"),
-    "mrpc": _GlueSpec("MRPC", _BINARY, "f1", "#1 String", "#2 String", "Quality"),
-    "qqp": _GlueSpec("QQP", _BINARY, "f1", "question1", "question2", "is_duplicate", skip_malformed=True),
+    "mrpc": _GlueSpec("MRPC", _BINARY, "f1", "#1 String", "#2 String", "Quality", positive="1"),
+    "qqp": _GlueSpec("QQP", _BINARY, "f1", "question1", "question2", "is_duplicate", skip_malformed=True,
+                     positive="1"),
     "stsb": _GlueSpec("STS-B", (), "pearson", "sentence1", "sentence2", "score", label_last=True),
     "mnli": _GlueSpec("MNLI", ("contradiction", "entailment", "neutral"), "accuracy", "sentence1", "sentence2",
                       "gold_label", label_last=True, evals=("dev_matched", "dev_mismatched")),
@@ -102,6 +110,7 @@ def read_glue(task: str, data_dir) -> TaskData:
                 "files": {split: str(path.resolve()) for split, path in files.items()},
                 "columns": {"text": spec.text, "text_pair": spec.text_pair, "label": spec.label},
                 "skipped_malformed_rows": {split: skipped for split, (_, skipped) in parsed.items()}},
+        positive_label=spec.positive,
     )
 
 
@@ -191,7 +200,7 @@ _SUPPORTED = ".tsv, .csv, .jsonl/.json (JSON lines) or a datasets Dataset.save_t
 
 
 def read_custom(train, validation, text_column: str, label_column: str, text_pair_column: str | None = None,
-                task_type: str | None = None) -> TaskData:
+                task_type: str | None = None, positive_label: str | None = None) -> TaskData:
     """Read a custom task's train and validation splits through the ``datasets`` library.
 
     The format follows the path: ``.tsv`` (tab-separated), ``.csv``, ``.jsonl``/``.json`` (JSON
@@ -204,6 +213,8 @@ def read_custom(train, validation, text_column: str, label_column: str, text_pai
     otherwise "classification". So classes coded 0/1/2 stay classes; pass "regression" for
     whole-number scores. Classification labels become strings (0/1 and 1.0 become "0"/"1",
     ``ClassLabel`` values their names) and ``label_names`` is their sorted set from train.
+    ``positive_label`` (``--positive-label``): F1's positive class, for two labels only; see
+    :func:`choose_positive_label`.
     """
     if task_type not in (None, *TASK_TYPES):
         raise FinetuneError(f"--task-type {task_type}: use classification or regression, or leave it out to "
@@ -226,6 +237,7 @@ def read_custom(train, validation, text_column: str, label_column: str, text_pai
         name="custom", task_type=task_type, label_names=label_names, train=train_split.examples(train_targets),
         evals={"validation": eval_split.examples(eval_targets)},
         metric="pearson" if task_type == "regression" else "accuracy",
+        positive_label=choose_positive_label(task_type, label_names, positive_label),
         source={"kind": "custom",
                 "train": str(train_split.path.resolve()), "validation": str(eval_split.path.resolve()),
                 "formats": {"train": train_split.format, "validation": eval_split.format},
@@ -385,3 +397,53 @@ def _check_seen(split: _Split, column: str, labels: list[str], known: set[str]) 
         raise FinetuneError(f"{split.flag} {split.path}: column '{column}' has labels not in --train: {shown}{more}; "
                             "the model can only predict train labels, so add examples of them to --train or drop "
                             "those rows")
+
+
+# ---------------------------------------------------------------------------------------------
+# F1's positive class (custom tasks)
+
+# (positive, negative) label pairs whose positive side is plain, compared case-insensitively.
+_POSITIVE_PAIRS = (("1", "0"), ("1", "-1"), ("true", "false"), ("yes", "no"), ("positive", "negative"),
+                   ("pos", "neg"))
+POSITIVE_LABEL_OPTION = "--positive-label"
+
+
+def default_positive_label(label_names: list[str]) -> tuple[str, str]:
+    """A two-label task's positive class when none is asked for, and why, for the log: the positive side of a
+    plain pair (1/0, 1/-1, true/false, yes/no, positive/negative, pos/neg, any case), else the label that sorts
+    second. Only a pair counts, not a label alone: with 1/2 (e.g. Yelp polarity's negative/positive) "1" is
+    not the positive class."""
+    by_lower = {name.lower(): name for name in label_names}
+    for positive, negative in _POSITIVE_PAIRS:
+        if set(by_lower) == {positive, negative}:
+            return by_lower[positive], f"the positive side of {by_lower[positive]}/{by_lower[negative]}"
+    # Sorting second is what F1 counted before the option; it keeps those runs' numbers.
+    return sorted(label_names)[1], "the label that sorts second: the labels are no pair like 1/0, yes/no or true/false"
+
+
+def choose_positive_label(task_type: str, label_names: list[str], requested: str | None) -> str | None:
+    """F1's positive class of a custom task: ``requested`` (``--positive-label``) or, for two labels, the
+    default (said in one log line); None where no F1 is reported. A request that cannot apply is refused."""
+    option = f"{POSITIVE_LABEL_OPTION} {requested}"
+    if task_type == "regression":
+        if requested is not None:
+            raise FinetuneError(f"{option}: the task is a regression, which has no classes; drop the option, or pass "
+                                "--task-type classification if the labels are classes")
+        return None
+    if len(label_names) != 2:
+        if requested is not None:
+            raise FinetuneError(f"{option}: the task has {len(label_names)} labels ({_listed(label_names)}); F1, and "
+                                "so a positive class, is reported for two labels only; drop the option")
+        return None
+    if requested is None:
+        chosen, why = default_positive_label(label_names)
+        log.info(f"note: F1's positive class is {chosen!r} ({why}); choose it with {POSITIVE_LABEL_OPTION}")
+        return chosen
+    if requested not in label_names:
+        raise FinetuneError(f"{option}: not one of the task's labels ({_listed(label_names)}); pass one of them as "
+                            "written in the label column")
+    return requested
+
+
+def _listed(labels: list[str]) -> str:
+    return ", ".join(repr(label) for label in labels)  # quoted: a label's spaces and case show

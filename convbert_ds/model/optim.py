@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -50,3 +51,82 @@ def linear_warmup_decay(step: int, warmup_steps: int, total_steps: int) -> float
     if warmup_steps > 0 and step < warmup_steps:
         return step / warmup_steps
     return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def pretraining_warmup_steps(warmup_steps: int, steps: int) -> int:
+    """The warm-up pretraining runs: ``train.warmup_steps``, but at most ``steps - 1``, so that the peak
+    learning rate is reached, at the last step at the latest."""
+    return max(0, min(warmup_steps, steps - 1))
+
+
+@dataclass(frozen=True)
+class WarmupDecay:
+    """Pretraining's learning-rate schedule as the run plan holds it; called with an optimizer (DeepSpeed calls
+    ``deepspeed.initialize(lr_scheduler=...)`` so), it returns the ``LinearWarmupDecayLR`` that runs it.
+    ``warmup_steps`` is the one that runs (``pretraining_warmup_steps``)."""
+
+    lr: float
+    warmup_steps: int
+    total_steps: int
+
+    @classmethod
+    def of(cls, train) -> WarmupDecay:
+        """The schedule of a training config's ``train`` section: ``train.lr`` peak, linear warm-up over
+        ``train.warmup_steps`` (at most ``train.steps - 1``), linear decay to 0 over ``train.steps``."""
+        return cls(train.lr, pretraining_warmup_steps(train.warmup_steps, train.steps), train.steps)
+
+    def note(self, asked_warmup_steps: int) -> str | None:
+        """The line a run starts with when its warm-up is not ``train.warmup_steps`` (None when it is)."""
+        if asked_warmup_steps == self.warmup_steps:
+            return None
+        return (f"note: train.warmup_steps={asked_warmup_steps} with train.steps={self.total_steps}: the warm-up "
+                f"runs {self.warmup_steps} steps, so that the peak learning rate is reached by the last step; set "
+                f"train.warmup_steps <= {self.warmup_steps}")
+
+    def __call__(self, optimizer) -> LinearWarmupDecayLR:
+        return LinearWarmupDecayLR(optimizer, self.lr, self.warmup_steps, self.total_steps)
+
+
+class LinearWarmupDecayLR:
+    """Step k (from 1) runs at ``lr x linear_warmup_decay(k - 1, warmup_steps, total_steps)``: with warm-up 0,
+    step 1 runs at the peak; with W, steps 1..W climb from 0 and step W + 1 is the peak; then linear decay.
+
+    Instead of DeepSpeed's WarmupDecayLR, which raises its warm-up to at least 2 steps and runs
+    two steps at its minimum (its first ``step()`` comes after step 1 and computes 0 again): asked for no
+    warm-up, it ran 0, 0, lr/2, then lr. The interface is DeepSpeed's (``step``, ``get_lr``, ``get_last_lr``,
+    ``state_dict``, ``load_state_dict``) and so is the state, ``{"last_batch_iteration": completed steps - 1}``,
+    so a checkpoint written with DeepSpeed's scheduler resumes at the same step with this one.
+    """
+
+    def __init__(self, optimizer, lr: float, warmup_steps: int, total_steps: int, last_batch_iteration: int = -1):
+        self.optimizer, self.peak = optimizer, lr
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = self._apply()  # the first step's rate, before any step() (DeepSpeed's does the same)
+
+    def get_lr(self) -> list[float]:
+        """The rate of the next step, per parameter group."""
+        factor = linear_warmup_decay(self.last_batch_iteration + 1, self.warmup_steps, self.total_steps)
+        return [self.peak * factor for _ in self.optimizer.param_groups]
+
+    def get_last_lr(self) -> list[float]:
+        return self._last_lr
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """After an optimizer step (DeepSpeed's engine calls it); sets the next step's rate."""
+        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None \
+            else last_batch_iteration
+        self._last_lr = self._apply()
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Only the position, as DeepSpeed's: the optimizer's state, loaded beside it, holds the groups' rates.
+        self.last_batch_iteration = state["last_batch_iteration"]
+
+    def _apply(self) -> list[float]:
+        rates = self.get_lr()
+        for group, rate in zip(self.optimizer.param_groups, rates):
+            group["lr"] = rate
+        return rates

@@ -12,14 +12,22 @@ def test_clock_formats_hours_and_days():
     assert clock(-5) == "0:00:00"
 
 
-def test_eta_counts_only_this_processes_steps(monkeypatch):
+def test_eta_is_the_recent_pace_without_the_start_up(monkeypatch):
+    """The quickstart's log said ETA 1d 17:14:32 at step 1 and 0:17:57 at step 200 of 1,800 when the 1,600 steps
+    left took 7 minutes: the pace was the mean since the start, the compile included."""
     now = [1000.0]
     monkeypatch.setattr("convbert_ds.engine.progress.time.monotonic", lambda: now[0])
-    progress = RunProgress(start_step=100, total_steps=200)  # resumed at step 100
-    assert progress.eta(100) is None and progress.suffix(100).endswith("ETA ?")
-    now[0] += 50.0  # 10 steps in 50 s: 5 s a step, 90 steps to go
-    assert progress.eta(110) == 450.0
-    assert progress.suffix(110) == "elapsed 0:00:50 | ETA 0:07:30"
+    progress = RunProgress(start_step=0, total_steps=1800)
+    progress.record_pace(1, 300.0)  # step 1: the start-up and the compile
+    assert progress.eta(1) is None and progress.suffix(1).endswith("ETA estimating")
+    now[0] += 320.0
+    for _ in range(20):  # steps 2-200 in 10-step intervals, 0.25 s a step
+        progress.record_pace(10, 2.5)
+    assert progress.eta(200) == 1600 * 0.25  # 400 s, not 1600 x 320 / 200
+    assert progress.suffix(200) == "elapsed 0:05:20 | ETA 0:06:40"
+    for _ in range(10):  # slower now (a longer phase): the last 10 intervals set the pace
+        progress.record_pace(10, 5.0)
+    assert progress.eta(300) == 1500 * 0.5
     assert re.fullmatch(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\]", progress.prefix())
 
 

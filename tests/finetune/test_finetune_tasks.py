@@ -201,6 +201,7 @@ def test_read_glue_parses_the_official_layout(tmp_path, task):
     assert data.task_type == ("regression" if task == "stsb" else "classification")
     assert data.label_names == case["labels"]
     assert data.metric == case["metric"]
+    assert data.positive_label == ("1" if task in ("mrpc", "qqp") else None)  # the benchmark's F1 class; no F1 else
     assert list(data.evals) == eval_splits  # the primary split first
     assert data.train == [Example(*fields) for fields in case["train"]]
     for split in eval_splits:

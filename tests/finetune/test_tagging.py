@@ -1,6 +1,6 @@
-"""Token tagging (``--task conll``, ``--task tokens``): entity-level scores by hand for IOB1 and IOB2, the
-reader's one-line errors, labels on each word's first sub-token, and a fine-tuning run on real sentences
-whose saved model transformers reloads and tags the same."""
+"""Token tagging (``--task conll``, ``--task tokens``): entity-level scores by hand for IOB1, IOB2, IOBES and
+BILOU, the reader's one-line errors (a line without a tag, a tag of no scheme), labels on each word's first
+sub-token, and a fine-tuning run on real sentences whose saved model transformers reloads and tags the same."""
 
 import json
 import re
@@ -10,8 +10,8 @@ import torch
 
 from convbert_ds.errors import UserError
 from convbert_ds.finetune.__main__ import main as finetune_main
-from convbert_ds.finetune.tagging import (IGNORED, Sentence, TaggingTask, chunks, encode_tags, entity_scores,
-                                          label_set, read_conll)
+from convbert_ds.finetune.tagging import (IGNORED, TAG_SCHEMES, Sentence, TaggingTask, chunks, encode_tags,
+                                          entity_scores, label_set, read_conll)
 from shard_factory import read_text_documents
 
 FAST = ["--epochs", "1", "--batch-size", "8", "--max-seq-length", "48", "--save-steps", "1000"]
@@ -27,6 +27,87 @@ def test_entities_are_read_from_iob2_and_iob1_tags_as_conlleval_reads_them():
     scores = entity_scores(gold, predicted)
     # gold 3 entities, predicted 3 (PER 0-0, LOC, ORG), 2 exact: P = R = F1 = 2/3; 5 of 6 tokens right.
     assert scores == pytest.approx({"precision": 2 / 3, "recall": 2 / 3, "f1": 2 / 3, "accuracy": 5 / 6})
+
+
+# Each case: tags -> the chunks (type, first word, last word) worked out by hand from the chunk rules in
+# tagging.py's docstring (conlleval's, with S-, as seqeval's default mode reads them).
+CHUNK_CASES = [
+    # IOB2: B- opens, I- of the same type goes on; B- after B- of the same type is a new chunk.
+    (["B-PER", "I-PER", "O", "B-LOC", "B-LOC"], {("PER", 0, 1), ("LOC", 3, 3), ("LOC", 4, 4)}),
+    # IOB1: I- after O opens; I- of another type opens another chunk.
+    (["O", "I-ORG", "I-ORG", "I-PER"], {("ORG", 1, 2), ("PER", 3, 3)}),
+    # IOBES: S-X alone is a one-word chunk (the old reader found none).
+    (["S-PER"], {("PER", 0, 0)}),
+    (["O", "S-PER", "O"], {("PER", 1, 1)}),
+    # B-X I-X E-X is one chunk ending at E-X; B-X E-X one two-word chunk (the old reader cut both at B-X).
+    (["B-ORG", "I-ORG", "E-ORG"], {("ORG", 0, 2)}),
+    (["B-ORG", "E-ORG", "O"], {("ORG", 0, 1)}),
+    # E-X after O opens (and, being an end, closes) a one-word chunk.
+    (["O", "E-LOC", "O"], {("LOC", 1, 1)}),
+    # Adjacent S-X S-X are two chunks, as are E-X E-X: a chunk ends after E- and S-.
+    (["S-PER", "S-PER"], {("PER", 0, 0), ("PER", 1, 1)}),
+    (["E-PER", "E-PER"], {("PER", 0, 0), ("PER", 1, 1)}),
+    # I-X after S-X opens a new chunk, which the sentence's end closes without an E-.
+    (["S-PER", "I-PER", "I-PER"], {("PER", 0, 0), ("PER", 1, 2)}),
+    # A change of type ends a chunk even inside B- ... E-.
+    (["B-PER", "E-LOC"], {("PER", 0, 0), ("LOC", 1, 1)}),
+    (["B-PER", "E-PER", "S-PER", "B-LOC", "I-LOC", "E-LOC", "O"], {("PER", 0, 1), ("PER", 2, 2), ("LOC", 3, 5)}),
+    # BILOU: U- is S-, L- is E-.
+    (["U-PER", "B-LOC", "I-LOC", "L-LOC", "U-LOC"], {("PER", 0, 0), ("LOC", 1, 3), ("LOC", 4, 4)}),
+    (["O", "O"], set()),
+]
+
+
+@pytest.mark.parametrize(("tags", "expected"), CHUNK_CASES, ids=[" ".join(t) for t, _ in CHUNK_CASES])
+def test_chunks_of_iob1_iob2_iobes_and_bilou_tags_by_hand(tags, expected):
+    assert chunks(tags) == expected
+
+
+def test_iobes_entity_scores_by_hand():
+    gold = [["B-PER", "I-PER", "E-PER", "O", "S-LOC"], ["S-ORG", "S-ORG"]]
+    predicted = [["B-PER", "E-PER", "O", "O", "S-LOC"], ["B-ORG", "E-ORG"]]
+    # gold chunks: PER 0-2, LOC 4-4 | ORG 0-0, ORG 1-1            -> 4
+    # predicted:   PER 0-1, LOC 4-4 | ORG 0-1                     -> 3
+    # exact: LOC 4-4 only -> P = 1/3, R = 1/4, F1 = 2PR/(P+R) = (1/6)/(7/12) = 2/7
+    # tokens: B=B, I/E, E/O, O=O, S=S | S/B, S/E -> 3 of 7 right
+    scores = entity_scores(gold, predicted)
+    assert scores == pytest.approx({"precision": 1 / 3, "recall": 1 / 4, "f1": 2 / 7, "accuracy": 3 / 7})
+
+
+def test_iob1_and_iob2_entity_scores_by_hand():
+    gold = [["I-PER", "I-PER", "O", "I-LOC", "B-LOC"], ["B-ORG", "I-ORG", "O"]]
+    predicted = [["B-PER", "I-PER", "O", "I-LOC", "I-LOC"], ["B-ORG", "I-ORG", "B-MISC"]]
+    # gold (IOB1 | IOB2): PER 0-1, LOC 3-3, LOC 4-4 | ORG 0-1       -> 4
+    # predicted:          PER 0-1, LOC 3-4          | ORG 0-1, MISC 2-2 -> 4
+    # exact: PER 0-1, ORG 0-1 -> P = 2/4, R = 2/4, F1 = 1/2
+    # tokens: I/B, I=I, O=O, I=I, B/I | B=B, I=I, O/B -> 5 of 8 right
+    scores = entity_scores(gold, predicted)
+    assert scores == pytest.approx({"precision": 1 / 2, "recall": 1 / 2, "f1": 1 / 2, "accuracy": 5 / 8})
+
+
+def test_iobes_and_bilou_files_are_read(tmp_path):
+    path = tmp_path / "train.txt"
+    path.write_text("Peter S-PER\nsaw O\nNew B-LOC\nYork E-LOC\n\nAnn U-PER\nBlack L-PER\n")
+    assert [s.tags for s in read_conll(path)] == [["S-PER", "O", "B-LOC", "E-LOC"], ["U-PER", "L-PER"]]
+
+
+@pytest.mark.parametrize(("tag", "problem"), [
+    ("X-PER", "tag 'X-PER' has the prefix 'X-', which no tag scheme read here uses"),
+    ("M-LOC", "tag 'M-LOC' has the prefix 'M-', which no tag scheme read here uses"),
+    ("b-PER", "tag 'b-PER' has the prefix 'b-', which no tag scheme read here uses"),
+    ("B-", "tag 'B-' has no type after its prefix"),
+    ("PER", "tag 'PER' has no prefix, so no entity type can be read from it; write it B-PER/I-PER (IOB2) or "
+            "S-PER for a one-word entity, or O for none"),
+])
+def test_a_tag_of_no_scheme_is_refused_naming_file_line_and_the_schemes(tmp_path, tag, problem):
+    path = tmp_path / "train.txt"
+    path.write_text(f"Peter B-PER\nsaw O\n\nAnn {tag}\n")
+    with pytest.raises(UserError) as refused:
+        read_conll(path)
+    message = str(refused.value)
+    assert message == f"{path}:4: {problem}; tags are {TAG_SCHEMES}" and "\n" not in message
+    assert TAG_SCHEMES == ("O, or B-, I-, E- or S- and a type, e.g. B-PER (IOB1, IOB2, IOBES/BIOES; BILOU's L-/U- "
+                           "as E-/S-)")
 
 
 def test_conll_files_are_read_with_the_tag_last_and_a_bad_line_is_named(tmp_path):

@@ -5,7 +5,10 @@ import torch
 
 from convbert_ds.config import ConfigError, ElectraConfig, ModelConfig, generator_config
 from convbert_ds.model import ElectraForPretraining
-from convbert_ds.model.electra import IGNORE_INDEX, binary_auc, corrupt, gumbel_sample, mask_tokens
+from convbert_ds.model.electra import (AUC_BINS, IGNORE_INDEX, binary_auc, corrupt, gumbel_sample, histogram_auc,
+                                       histogram_auc_bound, mask_tokens, rtd_score_counts)
+from convbert_ds.model.op_count import OpCounter
+from exact_auc import exact_auc
 from plain_training import train_plain
 
 SPECIALS = (0, 2, 3)
@@ -101,6 +104,50 @@ def test_auc_without_sync_matches_the_rank_formula():
     pairs = (pos[:, None] > neg[None, :]).float() + 0.5 * (pos[:, None] == neg[None, :]).float()
     assert binary_auc(scores, positive, weight).item() == pytest.approx(pairs.mean().item(), abs=1e-6)
     assert binary_auc(scores, torch.zeros(300, dtype=torch.bool)).item() == 0.5
+
+
+@pytest.mark.parametrize("spread, bound", [(1.0, 6.1e-6), (0.05, 1.22e-4)], ids=["trained", "untrained"])
+def test_histogram_auc_is_the_exact_auc_within_its_bound(spread, bound):
+    """The validation AUC from bin counts against the exact rank AUC (by hand, tests/exact_auc.py) on random
+    logits: within ``histogram_auc_bound``, which is below the docstring's figure for that spread (unit
+    spread: a trained discriminator; 0.05: a fresh one's narrow logits), counted over three batches."""
+    gen = torch.Generator().manual_seed(1)
+    replaced = torch.rand(3, 40, 128, generator=gen) < 0.15
+    logits = (torch.randn(3, 40, 128, generator=gen) + 0.8 * replaced) * spread
+    real = torch.rand(3, 40, 128, generator=gen) < 0.9
+    counts = None
+    for b in range(3):
+        counts = rtd_score_counts(logits[b], replaced[b], real[b], counts)
+    exact = exact_auc(logits[real].tolist(), replaced[real].tolist())
+    error_bound = histogram_auc_bound(counts).item()
+    assert abs(histogram_auc(counts).item() - exact) <= error_bound + 1e-12
+    assert error_bound < bound
+    assert counts.sum().item() == real.sum().item(), "every real token counted once, no padding"
+
+
+def test_histogram_auc_ties_out_of_range_and_nan_scores():
+    """Scores on a coarse grid (as bf16 rounds them) fall into distinct bins, so ties are the exact AUC's ties and
+    the two agree to rounding; beyond +-16 logits scores tie in the end bins, NaN counts as 0."""
+    gen = torch.Generator().manual_seed(2)
+    replaced = torch.rand(5000, generator=gen) < 0.3
+    logits = torch.round((torch.randn(5000, generator=gen) + replaced) * 8) / 8
+    counts = rtd_score_counts(logits, replaced, torch.ones(5000, dtype=torch.bool))
+    assert histogram_auc(counts).item() == pytest.approx(exact_auc(logits.tolist(), replaced.tolist()), abs=1e-12)
+    odd = torch.tensor([-100.0, -17.0, float("nan"), 0.0, 40.0, float("inf")])
+    is_replaced = torch.tensor([True, False, True, False, True, False])
+    counts = rtd_score_counts(odd, is_replaced, torch.ones(6, dtype=torch.bool))
+    as_read = [-16.0, -16.0, 0.0, 0.0, 16.0, 16.0]
+    assert histogram_auc(counts).item() == pytest.approx(exact_auc(as_read, is_replaced.tolist()), abs=1e-12)
+    assert histogram_auc(torch.zeros(2 * AUC_BINS, dtype=torch.float64)).item() == 0.5
+
+
+def test_counting_scores_never_waits_for_the_device():
+    logits, replaced = torch.randn(8, 128), torch.rand(8, 128) < 0.15
+    with OpCounter() as ops:
+        counts = rtd_score_counts(logits, replaced, torch.ones(8, 128, dtype=torch.bool))
+        counts = rtd_score_counts(logits, replaced, torch.ones(8, 128, dtype=torch.bool), counts)
+        histogram_auc(counts)
+    assert ops.syncs == 0, ops.sync_ops
 
 
 def test_generator_shares_the_embedding_tables():

@@ -13,7 +13,8 @@ from torch import nn
 
 from convbert_ds.config import ConfigError, ElectraConfig
 from convbert_ds.formats.checkpoint.names import SHARED_EMBEDDINGS_LAYER, pipeline_layer_names, pipeline_layer_prefixes
-from convbert_ds.model.electra import METRIC_NAMES as ELECTRA_METRIC_NAMES, PretrainingOutput, electra_output
+from convbert_ds.model.electra import (METRIC_NAMES as ELECTRA_METRIC_NAMES, PretrainingOutput, electra_output,
+                                       histogram_auc)
 from convbert_ds.engine.pipeline.layers import (MAX_INT_FIELDS, DiscriminatorHidden, EmbeddingProjection, EncoderLayer,
                                                 GeneratorHead, GeneratorHidden, MaskedLMOutput, MaskingLayer, RTDHead,
                                                 SharedEmbeddings, from_pipe, generator_output_forward, row_float)
@@ -57,13 +58,17 @@ def _layer_plan(config: ElectraConfig, seed: int | None = None, packed: bool = F
 class ElectraPipelineLoss:
     """``loss_fn`` of the last stage: ``mlm + rtd_weight * rtd`` exactly as ``ElectraForPretraining``.
 
-    Keeps each micro-batch's metrics for ``pipeline_metrics`` (bounded, in case nobody asks).
+    Keeps each micro-batch's metrics for ``pipeline_metrics`` (bounded, in case nobody asks). While
+    ``count_rtd_scores`` is set (evaluation sets it), it also counts the discriminator's scores
+    (``rtd_score_counts``), so that ``pipeline_metrics`` reports the AUC of all those micro-batches together.
     """
 
     def __init__(self, config: ElectraConfig):
         self.config = config
         self.names = METRIC_NAMES[config.objective]
         self.records: deque[torch.Tensor] = deque(maxlen=4096)
+        self.count_rtd_scores = False
+        self.rtd_counts: torch.Tensor | None = None
 
     def __call__(self, outputs, labels) -> torch.Tensor:
         if self.config.objective == "mlm":
@@ -76,7 +81,13 @@ class ElectraPipelineLoss:
             out = electra_output(mlm, row_float(s.mlm_accuracy_bits), s.hidden, s.is_replaced.bool(),
                                  s.attention_mask, self.config.rtd_weight)
         self.records.append(torch.stack(list(out.metric_tensors().values())))
+        if self.count_rtd_scores:
+            self.rtd_counts = out.rtd_score_counts(self.rtd_counts)
         return out.loss
+
+    def take_rtd_counts(self) -> torch.Tensor | None:
+        counts, self.rtd_counts = self.rtd_counts, None
+        return counts
 
 
 def build_pipeline_module(config: ElectraConfig, num_stages: int, partition_method: str = "parameters",
@@ -134,7 +145,8 @@ def pipeline_metrics(engine) -> dict[str, float]:
     """The plain model's ``PretrainingOutput.metrics()`` for the last ``train_batch``/``eval_batch``.
 
     Averaged over its micro-batches and the data-parallel replicas; a collective: every rank calls it
-    and gets the same dict.
+    and gets the same dict. Where the loss counted the discriminator's scores (``count_rtd_scores``:
+    evaluation), ``rtd_auc`` is the AUC of all the micro-batches of every replica together instead.
     """
     loss_fn: ElectraPipelineLoss = engine.module.loss_fn
     values = torch.zeros(len(loss_fn.names), device=engine.device)
@@ -143,9 +155,14 @@ def pipeline_metrics(engine) -> dict[str, float]:
         micro_batches = len(engine.fwd_outputs)
         values = torch.stack(list(loss_fn.records)[-micro_batches:]).mean(0).to(engine.device)
         loss_fn.records.clear()
+        counts = loss_fn.take_rtd_counts()
         if engine.is_data_parallel:
             dist.all_reduce(values, group=engine.grid.get_data_parallel_group())
             values /= engine.dp_world_size
+            if counts is not None:
+                dist.all_reduce(counts, group=engine.grid.get_data_parallel_group())
+        if counts is not None:
+            values[loss_fn.names.index("rtd_auc")] = histogram_auc(counts)
     if engine.is_pipe_parallel:
         dist.broadcast(values, src=engine.grid.stage_to_global(engine.num_stages - 1),
                        group=engine.grid.get_pipe_parallel_group())

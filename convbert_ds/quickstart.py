@@ -33,6 +33,7 @@ from convbert_ds.builtin.docstring_questions import write_qa_task
 from convbert_ds.builtin.docstring_summaries import write_pretraining_corpus, write_transfer_task
 from convbert_ds.finetune.margin import Margin, seed_scores
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
+from convbert_ds.errors import UserError
 from convbert_ds.fsutil import write_text_atomically
 
 REPO = Path(__file__).resolve().parent.parent
@@ -188,6 +189,19 @@ def finetune_both(model: Path, task: Downstream, out: Path) -> Margin:
                   seed_scores(out / "random_init", task.metric, task.scale))
 
 
+def writable_work_dir(work: Path) -> Path:
+    """``work``, made if missing; one line if it cannot be written (before any of the work that fills it)."""
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        probe = work / f".write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UserError(f"--work-dir {work}: cannot write there ({error.strerror or type(error).__name__}); pass "
+                        "--work-dir with a directory you can write (a full run leaves about 90 MB there)") from None
+    return work
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default=None, help="where everything is written (None: runs/quickstart, "
@@ -202,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=bounded(int, min=1), default=8000, help="the tokenizer's vocabulary size")
     args = parser.parse_args(argv)
     smoke = SMOKE if args.smoke else {}
-    work = Path(args.work_dir or ("runs/quickstart-smoke" if args.smoke else "runs/quickstart")).resolve()
+    work = writable_work_dir(Path(args.work_dir or ("runs/quickstart-smoke" if args.smoke else "runs/quickstart"))
+                             .resolve())
     steps = args.steps if args.steps is not None else smoke.get("steps")
 
     data = prepare_data(work, args.vocab_size, smoke.get("corpus_bytes"))

@@ -71,15 +71,15 @@ def read_squad(path, version_2: bool) -> list[Question]:
         articles = json.loads(path.read_text(encoding="utf-8"))["data"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
         raise FinetuneError(f"{path}: not a SQuAD JSON file ({type(error).__name__}: {error}); it needs "
-                            "{\"data\": [{\"paragraphs\": [{\"context\", \"qas\": [...]}]}]}") from None
+                            f"{SQUAD_SHAPE}") from None
     questions, seen = [], set()
-    for a, article in enumerate(articles):
-        for p, paragraph in enumerate(article.get("paragraphs", ())):
+    for a, article in enumerate(_objects(articles, f"{path}: data")):
+        for p, paragraph in enumerate(_objects(article.get("paragraphs", []), f"{path}: data[{a}].paragraphs")):
             where = f"{path}: data[{a}].paragraphs[{p}]"
             context = paragraph.get("context")
             if not isinstance(context, str):
                 raise FinetuneError(f"{where}: no context text")
-            for question in paragraph.get("qas", ()):
+            for question in _objects(paragraph.get("qas", []), f"{where}.qas"):
                 questions.append(_question(question, context, where, version_2))
                 if questions[-1].id in seen:
                     raise FinetuneError(f"{where}: question id {questions[-1].id!r} appears twice; ids must be unique")
@@ -87,6 +87,20 @@ def read_squad(path, version_2: bool) -> list[Question]:
     if not questions:
         raise FinetuneError(f"{path}: holds no questions")
     return questions
+
+
+SQUAD_SHAPE = ('{"data": [{"paragraphs": [{"context": "...", "qas": [{"id", "question", "answers": [{"text", '
+               '"answer_start"}]}]}]}]}')
+
+
+def _objects(value, where: str) -> list[dict]:
+    """``value`` when it is a list of JSON objects, as SQuAD nests them; else the one line saying where the
+    file's structure is not SQuAD's (a file of JSON lines, a dict where a list belongs, ...)."""
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        got = type(value).__name__ if not isinstance(value, list) else \
+            f"a list holding {type(next(i for i in value if not isinstance(i, dict))).__name__}"
+        raise FinetuneError(f"{where}: expected a list of objects, got {got}; a SQuAD file is {SQUAD_SHAPE}")
+    return value
 
 
 def _question(record: dict, context: str, where: str, version_2: bool) -> Question:
@@ -97,7 +111,7 @@ def _question(record: dict, context: str, where: str, version_2: bool) -> Questi
     impossible = bool(record.get("is_impossible", False))
     if impossible and not version_2:
         raise FinetuneError(f"{where}: is_impossible is a SQuAD v2.0 field; use --task squad_v2")
-    answers = [] if impossible else record.get("answers") or []
+    answers = [] if impossible else _objects(record.get("answers") or [], f"{where}: answers")
     if not impossible and not answers:
         raise FinetuneError(f"{where}: no answer; give 'answers': [{{'text', 'answer_start'}}]"
                             + (" or 'is_impossible': true" if version_2 else ""))

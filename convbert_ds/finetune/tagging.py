@@ -56,24 +56,36 @@ def read_conll(path) -> list[Sentence]:
     if not path.is_file():
         raise FinetuneError(f"{path}: no such file; pass a CoNLL-style file (a token and its tag a line)")
     sentences, words, tags = [], [], []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            columns = line.split()
-            if not columns or columns[0] == "-DOCSTART-":
-                if words:
-                    sentences.append(Sentence(words, tags))
-                    words, tags = [], []
-                continue
-            if len(columns) < 2:
-                raise FinetuneError(f"{path}:{number}: {line.strip()!r} has no tag; a line is a token and its tag "
-                                    "(the tag last), a blank line between sentences")
-            words.append(columns[0])
-            tags.append(_checked_tag(path, number, columns[-1]))
+    # Decoded whole first, so that a byte of another encoding is named by its line (not a traceback).
+    for number, line in enumerate(_utf8_text(path).split("\n"), 1):
+        columns = line.split()
+        if not columns or columns[0] == "-DOCSTART-":
+            if words:
+                sentences.append(Sentence(words, tags))
+                words, tags = [], []
+            continue
+        if len(columns) < 2:
+            raise FinetuneError(f"{path}:{number}: {line.strip()!r} has no tag; a line is a token and its tag "
+                                "(the tag last), a blank line between sentences")
+        words.append(columns[0])
+        tags.append(_checked_tag(path, number, columns[-1]))
     if words:
         sentences.append(Sentence(words, tags))
     if not sentences:
         raise FinetuneError(f"{path}: holds no sentences")
     return sentences
+
+
+def _utf8_text(path: Path) -> str:
+    """The file as text (UTF-8, a byte-order mark allowed); another encoding is one line naming the line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise FinetuneError(f"{path}:{line}: not UTF-8 (byte 0x{data[error.start]:02x}); convert the file first, "
+                            f"e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix} (name "
+                            "its real encoding)") from None
 
 
 def label_set(train: list[Sentence], evals: dict[str, list[Sentence]], train_path) -> list[str]:

@@ -32,12 +32,31 @@ def _one(context: str, **qa) -> dict:
     (_one("Paris is big.", answers=[], is_impossible=True), False, r"is_impossible is a SQuAD v2.0 field; use "
                                                                    r"--task squad_v2"),
     ({"version": "1.1"}, False, r"not a SQuAD JSON file \(KeyError"),
-], ids=["offset", "no-answer", "impossible-in-v1", "no-data"])
+    ({"data": {"paragraphs": []}}, False, r": data: expected a list of objects, got dict; a SQuAD file is "),
+    ({"data": [["Paris"]]}, False, r": data: expected a list of objects, got a list holding list"),
+    ({"data": [{"paragraphs": "Paris is big."}]}, False, r"data\[0\].paragraphs: expected a list of objects, "
+                                                        r"got str"),
+    ({"data": [{"paragraphs": [{"context": "Paris.", "qas": {"id": "q1"}}]}]}, False,
+     r"data\[0\].paragraphs\[0\].qas: expected a list of objects, got dict"),
+    (_one("Paris is big.", answers={"text": "Paris", "answer_start": 0}), False,
+     r"question 'q1': answers: expected a list of objects, got dict"),
+    (_one("Paris is big.", answers=["Paris"]), False, r"question 'q1': answers: expected a list of objects, got a "
+                                                      r"list holding str"),
+], ids=["offset", "no-answer", "impossible-in-v1", "no-data", "data-dict", "data-of-lists", "paragraphs-text",
+        "qas-dict", "answers-dict", "answers-of-strings"])
 def test_bad_squad_files_are_one_line_naming_the_file_and_the_record(tmp_path, squad, version_2, says):
     path = write(tmp_path / "dev.json", squad)
     with pytest.raises(UserError, match=says) as caught:
         read_squad(path, version_2)
     assert str(caught.value).startswith(str(path)) and "\n" not in str(caught.value)
+
+
+def test_a_file_of_json_lines_is_one_line(tmp_path):
+    path = tmp_path / "dev.jsonl"
+    path.write_text('{"id": "q1", "question": "Q?"}\n{"id": "q2", "question": "R?"}\n')
+    with pytest.raises(UserError, match=r"not a SQuAD JSON file \(JSONDecodeError: Extra data") as caught:
+        read_squad(path, version_2=False)
+    assert "\n" not in str(caught.value)
 
 
 # --- windows and spans ----------------------------------------------------------------------------------

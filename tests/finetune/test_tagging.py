@@ -125,6 +125,18 @@ def test_conll_files_are_read_with_the_tag_last_and_a_bad_line_is_named(tmp_path
         label_set(sentences, {"validation": [Sentence(["x"], ["B-MISC"])]}, good)
 
 
+def test_a_file_in_another_encoding_is_one_line_naming_its_line_and_a_bom_is_read(tmp_path):
+    latin1 = tmp_path / "train.txt"
+    latin1.write_bytes("EU B-ORG\n\nM\u00fcller B-PER\n".encode("latin-1"))  # ü is 0xfc in Latin-1
+    with pytest.raises(UserError, match=rf"^{re.escape(str(latin1))}:3: not UTF-8 \(byte 0xfc\); convert the file "
+                                        r"first, e.g. iconv -f latin1 -t utf-8 train.txt > train.utf8.txt") as caught:
+        read_conll(latin1)
+    assert "\n" not in str(caught.value)
+    with_bom = tmp_path / "bom.txt"
+    with_bom.write_bytes("\ufeffM\u00fcller B-PER\r\n".encode("utf-8"))  # as editors on Windows save it
+    assert [(s.words, s.tags) for s in read_conll(with_bom)] == [(["M\u00fcller"], ["B-PER"])]
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_corpus):
     from transformers import AutoTokenizer

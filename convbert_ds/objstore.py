@@ -258,6 +258,15 @@ def upload_tree(directory: Path, url: str, last: tuple[str, ...] = (),
     return names
 
 
+def check_writable(url: str) -> None:
+    """One small object written under the prefix ``url`` and deleted: a missing bucket or a store that refuses
+    writes is one line now, not after the work whose output was to go there."""
+    probe = Url.parse(url).join(f".write-check-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # Errors name ``url``, the prefix the user gave, not the probe's key.
+    call(url, lambda: client().put_object(Bucket=probe.bucket, Key=probe.key, Body=b""), "write check")
+    call(url, lambda: client().delete_object(Bucket=probe.bucket, Key=probe.key), "write check")
+
+
 def put_bytes(url: str, data: bytes) -> None:
     u = Url.parse(url)
     call(url, lambda: client().put_object(Bucket=u.bucket, Key=u.key, Body=data), "put")

@@ -24,7 +24,9 @@ def staging_dir(url: str) -> Path:
 
 def check_target(url: str, fingerprint: str, overwrite: bool) -> None:
     """Refuse to mix runs in one prefix: one that holds other shards needs ``--force`` (which first deletes its
-    manifest, so no reader sees the old one with new files)."""
+    manifest, so no reader sees the old one with new files). First, that the store takes writes there: a
+    missing bucket was found only after the whole corpus had been sharded locally."""
+    objstore.check_writable(url)
     if not objstore.exists(str(objstore.Url.parse(url).join(MANIFEST))):
         return
     if overwrite:

@@ -50,3 +50,15 @@ def test_inspect_names_a_missing_prefix_in_one_line(s3):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error: s3://corpora/nothing/manifest.json not found in the store at"), \
         result.stderr
+
+
+def test_a_missing_bucket_is_one_line_before_anything_is_sharded(s3, tiny_corpus, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the staging directory: nothing may be written there
+    result = run_cli("preprocessing.shard", "--input", str(tiny_corpus["corpus"]), "--tokenizer",
+                     str(tiny_corpus["tokenizer"]), "--out", "s3://nobucket/docstrings", "--workers", "1",
+                     "--no-progress")
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = result.stderr.strip()
+    assert line == (f"error: s3://nobucket/docstrings: the store at {s3.url} has no bucket 'nobucket'; create it "
+                    "or fix the URL (AWS_ENDPOINT_URL chooses the store)"), line
+    assert not list(tmp_path.rglob("*.bin")), "nothing was sharded"

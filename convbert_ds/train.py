@@ -22,21 +22,37 @@ without starting anything or writing anywhere (a run first fetches, verifies and
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import warnings
+import os
+import signal
 
-import torch.distributed as dist
 
-from convbert_ds.engine import distributed
-from convbert_ds.engine.plan import RunPlan, build_ds_config, host_sync_warnings, resolve
-from convbert_ds.engine.prepare import check_shards, prepare
-from convbert_ds.formats.train_config import describe_keys, load_config, option_text
-from convbert_ds.engine.trainer import EXIT_PREEMPTED, Preemption, Trainer, TrainingError
-from convbert_ds.cli import ArgumentParser, bounded
-from convbert_ds.errors import EXIT_USER_ERROR, UserError
-from convbert_ds.log import EVERY_RANK, get_logger
+def _stopped_while_importing(signum, frame):
+    """Until ``main`` takes the signals over (``Preemption``): the imports below take seconds, and a signal's
+    default action would end the process without a word (SIGINT: a traceback)."""
+    os.write(2, f"received {signal.Signals(signum).name}: stopped before training started: nothing to save\n"
+             .encode())
+    os._exit(3)  # EXIT_PREEMPTED, whose module is not imported yet
+
+
+if __name__ == "__main__":  # a trainer process; a program importing this module keeps its own handlers
+    for _signal in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(_signal, _stopped_while_importing)
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import warnings  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
+from convbert_ds.engine import distributed  # noqa: E402
+from convbert_ds.engine.plan import RunPlan, build_ds_config, host_sync_warnings, resolve  # noqa: E402
+from convbert_ds.engine.prepare import check_shards, prepare  # noqa: E402
+from convbert_ds.formats.train_config import describe_keys, load_config, option_text  # noqa: E402
+from convbert_ds.engine.trainer import EXIT_PREEMPTED, Preemption, Trainer, TrainingError  # noqa: E402
+from convbert_ds.cli import ArgumentParser, bounded  # noqa: E402
+from convbert_ds.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from convbert_ds.log import EVERY_RANK, get_logger  # noqa: E402
 
 log = get_logger(__name__)
 
@@ -59,6 +75,10 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
+    for sig, default in ((signal.SIGUSR1, signal.SIG_DFL), (signal.SIGTERM, signal.SIG_DFL),
+                         (signal.SIGINT, signal.default_int_handler)):  # Preemption restores these when it is done
+        if signal.getsignal(sig) is _stopped_while_importing:
+            signal.signal(sig, default)
     preemption = Preemption()  # first: a signal before the first step ends stops the process at once
     try:
         return _run(argv, preemption)

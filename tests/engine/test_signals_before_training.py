@@ -26,6 +26,12 @@ def trainer(shards, run_dir, *overrides: str, **variables: str) -> subprocess.Po
                             stderr=subprocess.STDOUT, text=True)
 
 
+def _importing_torch(pid: int) -> bool:
+    """Whether process ``pid`` has begun to load torch's libraries (``import torch`` is under way)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch" in maps.read()
+
+
 def stopped_within(process: subprocess.Popen, sig: signal.Signals, seconds: float) -> str:
     sent = time.monotonic()
     process.send_signal(sig)
@@ -50,6 +56,18 @@ def test_a_rank_waiting_for_its_peers_stops_at_once(sig, tiny_corpus, tmp_path):
     time.sleep(1.0)  # well inside the wait for rank 1
     stopped_within(rank0, sig, 10)
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").glob("step*"))
+
+
+def test_a_trainer_still_importing_stops_at_once(tiny_corpus, tmp_path):
+    """Before ``main`` runs: the module's own first lines take the signals while torch and DeepSpeed import."""
+    rank = trainer(tiny_corpus["shards"], tmp_path, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    deadline = time.monotonic() + 60
+    while not _importing_torch(rank.pid):  # torch and DeepSpeed take seconds more
+        assert rank.poll() is None and time.monotonic() < deadline, "the trainer never imported torch"
+        time.sleep(0.02)
+    output = stopped_within(rank, signal.SIGINT, 10)
+    assert "KeyboardInterrupt" not in output
 
 
 def test_a_run_compiling_its_first_step_stops_at_once(tiny_corpus, tmp_path):

@@ -101,7 +101,7 @@ cbd_on_signal() {
     # SIGTERM alike (finish the step, save, exit 3), and USR1 is what launchers ignore.
     kill -USR1 "$CBD_STEP_PID" 2>/dev/null || true
     if [ -z "${CBD_RESENDER_PID:-}" ]; then
-      # A trainer still importing Python may miss the signal: say it again until the step ends.
+      # A task srun has not started yet misses the signal: say it again until the step ends.
       # (Its sleep must die with it: the job ends only when all of its processes have.)
       (
         trap 'kill "$nap" 2>/dev/null; exit 0' TERM

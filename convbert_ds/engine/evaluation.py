@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from convbert_ds.engine.pipeline import pipeline_batch, pipeline_metrics
-from convbert_ds.engine.train_step import TrainStep
+from convbert_ds.engine.train_step import MetricSums, TrainStep
 from convbert_ds.log import get_logger
 from convbert_ds.model.electra import histogram_auc
 
@@ -74,15 +74,12 @@ class Evaluation:
             loss_fn.count_rtd_scores = False
 
     def _plain_metrics(self) -> dict:
-        sums: dict[str, torch.Tensor] = {}
-        counts, batches = None, 0
+        sums, counts = MetricSums(batch_auc=False), None
         for batch in self.loader:
             out = self.train_step.forward(batch)
-            for key, value in out.metric_tensors(batch_auc=False).items():
-                sums[key] = sums[key] + value if key in sums else value
+            sums.add(out)
             counts = out.rtd_score_counts(counts)
-            batches += 1
-        return self._reduce(sums, batches, counts)
+        return self._reduce(sums.sums, sums.count, counts)
 
     def _reduce(self, sums: dict[str, torch.Tensor], batches: int, counts: torch.Tensor | None) -> dict:
         """Every rank's sums, batch count and score counts added by one all-reduce, then one read. Ranks run

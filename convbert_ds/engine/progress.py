@@ -4,8 +4,8 @@ one-line summary at the end of a run.
 The ETA multiplies the steps left by the recent pace: the seconds a step took over the last ``RECENT``
 logging intervals of this process, as the step log timed them (evaluations and saves taken out). The first
 interval is left out: it holds the start-up (building the engine, compiling, the first batches), which does
-not come again, and counted in, it made the quickstart's ETA read 1d 17:14:32 at step 1 and 0:17:57 at step
-200 of 1,800 with 7 minutes left. Until a second interval is timed the ETA reads ``estimating``.
+not come again; counted in, it made early ETAs many times too long. Until a second interval is timed the ETA
+reads ``estimating``.
 """
 
 from __future__ import annotations

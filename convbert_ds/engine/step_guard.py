@@ -6,8 +6,7 @@ are no longer finite.
 Before the first step has ended there is nothing to save, so SIGUSR1, SIGTERM and SIGINT stop the process at
 once, whatever it is doing: waiting for its peers, downloading from a store, building indexes, compiling.
 Python runs a signal handler only when the main thread is back in Python, and a rank waiting in the
-rendezvous is in C++ for as long as its timeout (a trainer sent SIGTERM while waiting for peers that never
-came was still there 8 minutes later). So the handlers only record the signal; its number also reaches a
+rendezvous is in C++ for as long as its timeout. So the handlers only record the signal; its number also reaches a
 wakeup socket (``signal.set_wakeup_fd``, written at C level by the interpreter's own handler), which a thread
 of its own reads: it says ``received SIGTERM: stopped before training started: nothing to save`` and exits
 with ``EXIT_PREEMPTED``, as a preempted run does (a job script requeues on it; the newest checkpoint, if
@@ -70,6 +69,13 @@ class Verdict:
     worst_in_a_row: int = 0  # the longest run of steps with one since the last check (max over ranks)
 
 
+def _stop_before_training(what: str) -> None:
+    """Exit now, in one line: nothing has been trained, so nothing is saved or lost."""
+    log.error(f"received {what}: stopped before training started: nothing to save", extra=EVERY_RANK)
+    sys.stderr.flush()
+    os._exit(EXIT_PREEMPTED)  # the main thread may be in C++ for minutes: no unwinding
+
+
 class StepGuard:
     """From construction until the first step has ended, SIGUSR1/SIGTERM/SIGINT stop the process at once;
     from then on SIGUSR1/SIGTERM are remembered for ``end_step``. Counts non-finite losses on ``device``
@@ -82,13 +88,13 @@ class StepGuard:
         reader, self._wakeup = socket.socketpair()
         self._wakeup.setblocking(False)  # the interpreter's C handler must never block on it
         self._previous_wakeup = signal.set_wakeup_fd(self._wakeup.fileno(), warn_on_full_buffer=False)
-        threading.Thread(target=self._stop_before_training, args=(reader,), name="stop-before-training",
+        threading.Thread(target=self._watch_wakeup, args=(reader,), name="stop-before-training",
                          daemon=True).start()
 
     def _handle(self, signum, frame):
         self.requested = True
 
-    def _stop_before_training(self, reader: socket.socket) -> None:
+    def _watch_wakeup(self, reader: socket.socket) -> None:
         """The wakeup socket's reader: exits the process on the first stopping signal, until ``_trained``
         closes the socket."""
         while True:
@@ -99,10 +105,7 @@ class StepGuard:
             if not data:  # closed: training has begun
                 return
             if data[0] in STOPPING_SIGNALS:
-                log.error(f"received {signal.Signals(data[0]).name}: stopped before training started: nothing "
-                          "to save", extra=EVERY_RANK)
-                sys.stderr.flush()
-                os._exit(EXIT_PREEMPTED)  # the main thread may be in C++ for minutes: no unwinding
+                _stop_before_training(signal.Signals(data[0]).name)
 
     def _close_wakeup(self) -> None:
         if self._wakeup is not None:
@@ -117,10 +120,7 @@ class StepGuard:
         self._close_wakeup()
         signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
         if self.requested:  # arrived while the first step ended, before the socket closed: still nothing saved
-            log.error("received a stopping signal: stopped before training started: nothing to save",
-                      extra=EVERY_RANK)
-            sys.stderr.flush()
-            os._exit(EXIT_PREEMPTED)
+            _stop_before_training("a stopping signal")
 
     def close(self) -> None:
         """The process's signal handling as it was before (a caller that runs ``train.main`` in-process)."""

@@ -16,12 +16,13 @@ from convbert_ds.model.convbert import check_inputs
 class MetricSums:
     """Per-key sums of the model's metric tensors over micro-batches; ``mean()`` reads them once."""
 
-    def __init__(self):
+    def __init__(self, batch_auc: bool = True):
         self.sums: dict[str, torch.Tensor] = {}
         self.count = 0
+        self.batch_auc = batch_auc  # False: no per-batch rtd_auc (evaluation takes the set's, from counts)
 
     def add(self, out) -> None:
-        for key, value in out.metric_tensors().items():
+        for key, value in out.metric_tensors(batch_auc=self.batch_auc).items():
             self.sums[key] = self.sums[key] + value if key in self.sums else value
         self.count += 1
 

@@ -9,14 +9,22 @@ import sys
 from collections.abc import Callable
 
 from convbert_ds.errors import EXIT_USER_ERROR, UserError
+from convbert_ds.fsutil import disk_full_line, is_disk_full
 
 
 def exit_on_user_error(main: Callable[[], int | None], prefix: str = "error") -> int:
-    """Run a CLI's ``main``; a ``UserError`` becomes one line on stderr and exit code 2."""
+    """Run a CLI's ``main``; a ``UserError`` becomes one line on stderr and exit code 2. So does a full disk
+    that no write site named (``fsutil.full_disk_says`` is the better line: it says what is kept)."""
     try:
         return main() or 0
     except UserError as error:
         print(f"{prefix}: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        where = error.filename or "a write"
+        print(f"{prefix}: {disk_full_line(where, None)}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

@@ -7,6 +7,8 @@ The folders mirror the package; shared helpers sit here at the top (``launch.py`
 """
 
 import os
+import shutil
+import subprocess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -82,6 +84,31 @@ def s3(s3_server, monkeypatch):
     for name, value in s3_server.env.items():
         monkeypatch.setenv(name, value)
     return s3_server
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size_bytes, name="disk", leave=None)``: a directory on a real filesystem of that size (a
+    tmpfs under ``tmp_path``), for the tests of full disks; with ``leave``, a file ``filler`` there takes all
+    but ``leave`` bytes of its room. Skips where this process may not mount (as root on Linux, it can)."""
+    mounted = []
+
+    def mount(size: int, name: str = "disk", leave: int | None = None):
+        where = tmp_path / name
+        where.mkdir(parents=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(where)
+        if leave is not None:
+            with open(where / "filler", "wb") as f:
+                f.write(bytes(max(0, shutil.disk_usage(where).free - leave)))
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 @pytest.fixture(autouse=True)

@@ -55,7 +55,7 @@ from convbert_ds.formats.checkpoint import run_state
 from convbert_ds.formats.checkpoint import store as checkpoint_store
 from convbert_ds.formats.checkpoint.rng import load_rng_file, rng_state, set_rng_state
 from convbert_ds.formats.safe_pickle import check_directory, deepspeed_loads_weights_only
-from convbert_ds.fsutil import write_text_atomically
+from convbert_ds.fsutil import free_space, human_bytes, write_text_atomically
 from convbert_ds.log import get_logger
 
 EXIT_NOT_SAVED = 4  # the run's last save failed: not 3 (EXIT_PREEMPTED), a requeue would hit the same disk
@@ -137,22 +137,15 @@ def _ranks_errors(error: BaseException | None, device, group=None) -> list[str]:
     return [f"rank {rank}: {text}" for rank, text in enumerate(errors) if text is not None]
 
 
-def _bytes(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
 def _free_space(directory: Path, last_complete: str | None) -> str:
     """What the user needs to fix a full disk: the space free now, and what a checkpoint takes."""
-    try:
-        said = f"{_bytes(shutil.disk_usage(directory).free)} free there"
-    except OSError:
-        said = "free space unknown"
+    said = free_space(directory)
     try:
         manifest = tags.read_manifest(directory / last_complete) if last_complete else None
     except (OSError, ValueError):
         manifest = None
     if manifest:
-        said += f", a checkpoint takes {_bytes(sum(f['size'] for f in manifest['files'].values()))}"
+        said += f", a checkpoint takes {human_bytes(sum(f['size'] for f in manifest['files'].values()))}"
     return said
 
 
@@ -262,7 +255,7 @@ def _commit_parts(save: Staged, keep_last: int, mirror: str, disk: CheckpointDis
         try:
             deepspeed_seam.injected_upload_failure(save.step, max(disk.group_ranks) == dist.get_world_size() - 1)
             files, sent, seconds = checkpoint_store.upload_part(save.directory, save.tag, mirror)
-            part = (files, f"{host} {_bytes(sent)} in {seconds:.1f} s", None)
+            part = (files, f"{host} {human_bytes(sent)} in {seconds:.1f} s", None)
         except OSError as error:  # a StoreError, or a local file that could not be read
             part = (None, None, f"{host}'s upload failed: {first_line(error)}")
     parts: list = [None] * dist.get_world_size()
@@ -311,7 +304,7 @@ def _commit_to_store(directory: Path, tag: str, keep_last: int, mirror: str | No
                         f"({first_line(error)}); the checkpoints on this disk are kept until a later save's upload "
                         "completes")
             return
-        log.info(f"uploaded checkpoint {tag} to {mirror} ({_bytes(sent)} in {seconds:.1f} s)")
+        log.info(f"uploaded checkpoint {tag} to {mirror} ({human_bytes(sent)} in {seconds:.1f} s)")
     for old in tags.complete_tags(directory)[:-keep_last]:
         shutil.rmtree(directory / old, ignore_errors=True)
 

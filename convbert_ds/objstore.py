@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from convbert_ds.errors import UserError
+from convbert_ds.fsutil import is_disk_full
 from convbert_ds.log import EVERY_RANK, get_logger
 
 logger = get_logger(__name__)
@@ -154,13 +155,14 @@ def _user_error(url: str, error: Exception) -> StoreError:
 
 def call(url, request: Callable[[], T], what: str = "") -> T:
     """``request()``, retried while the store does not answer (up to ``patience_s()``); any other failure
-    is a ``StoreError`` naming ``url``."""
+    is a ``StoreError`` naming ``url``, but a full local disk (a download's), which the caller names: it knows
+    the path and what is kept."""
     deadline, wait, warned = None, 1.0, False
     while True:
         try:
             return request()
         except Exception as error:  # noqa: BLE001 - every botocore error is sorted below
-            if isinstance(error, StoreError):
+            if isinstance(error, StoreError) or is_disk_full(error):
                 raise
             if not _transient(error):
                 raise _user_error(str(url), error) from None

@@ -9,6 +9,10 @@ must be present. Shards are hard-linked (copied across filesystems, or with
 merged splits hold the documents in the same order as a single run would.
 Counts, skips and per-source document counts are summed; ``manifest.json`` is
 written last. A non-empty ``SHARD_DIR`` is refused unless ``--force`` is given.
+
+A merge that fails (a full disk: one line naming ``SHARD_DIR``, the space free
+there and what is kept) deletes what it had placed in ``SHARD_DIR``, so the same
+command runs again as it ran first; the slice directories are only read.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 
 from convbert_ds.cli import ArgumentParser
 from convbert_ds.formats.shard_manifest import read_manifest, shard_prefix, split_entry, write_manifest
-from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty
+from convbert_ds.fsutil import FORCE_FLAG, full_disk_says, refuse_non_empty
 from preprocessing.encode import SPLITS
 from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.shard import REPAIRED, SKIPPED, clear_output, summary_table
@@ -60,6 +64,16 @@ def merge_slices(slice_dirs: list[str], out: str | os.PathLike, copy: bool = Fal
 
     if root.is_dir():
         clear_output(root)  # only with overwrite: the manifest goes first, so a crash leaves no stale one
+    with full_disk_says(root, "nothing of the merge is kept there (its partial output is deleted) and the slice "
+                              "directories are untouched"):
+        try:
+            return _merge_into(root, manifests, copy)
+        except BaseException:
+            clear_output(root)  # a merge does not resume: its partial output would only make a rerun need --force
+            raise
+
+
+def _merge_into(root: Path, manifests: list[tuple[Path, dict]], copy: bool) -> dict:
     base = manifests[0][1]
     splits = {}
     for split in SPLITS:

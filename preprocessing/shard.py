@@ -19,6 +19,12 @@ goes on from that input position; the manifest comes out identical to an
 uninterrupted run's. Files only get their final names once complete, and
 ``manifest.json`` is written last.
 
+A full disk (``--out``'s, or the staging directory's for ``s3://``) ends the run
+with one line naming the directory, the space free there and what is kept: the
+finished shards and the last checkpoint. What the failed write left half-done
+has a temporary name, so no reader takes it as a shard, and the same command run
+again with room truncates or deletes it and resumes from that checkpoint.
+
 ``--slice i/N`` processes the i-th of N byte spans of the inputs (a document
 belongs to the span its start falls in); ``python -m preprocessing.merge``
 joins the slice directories into one.
@@ -46,7 +52,7 @@ from convbert_ds.objstore import is_url
 from convbert_ds.formats.shard_manifest import (
     MANIFEST, PROGRESS, SHARD_FILES, ShardManifestError, check_shard_file, read_manifest, shard_prefix, split_entry,
     write_manifest)
-from convbert_ds.fsutil import FORCE_FLAG, write_json_atomically
+from convbert_ds.fsutil import FORCE_FLAG, full_disk_says, write_json_atomically
 from preprocessing.documents import MAX_LINE_CHARS
 from preprocessing.encode import SPLITS, EncodeOptions, EncoderPool, chunk_bytes, work_units
 from preprocessing import store
@@ -223,45 +229,53 @@ def shard_corpus(inputs: list[str], tokenizer: str, out: str | os.PathLike, work
     root = Path(out)
     if root.exists() and not root.is_dir():  # found by the CLI fuzz tests: mkdir's traceback otherwise
         raise PreprocessingError(f"--out {root} is a file; --out needs a directory (new, or a run to resume)")
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise PreprocessingError(f"another process is writing to {root}") from None
-        _check_output_dir(root)
-        saved = None
-        if overwrite:
-            clear_output(root)
-        elif (root / MANIFEST).is_file():
-            manifest = read_manifest(root, verify=False)
-            if manifest.get("fingerprint") != _digest(fingerprint):
-                raise PreprocessingError(f"{root} already holds shards made from other inputs, tokenizer or "
-                                         f"settings; pass {FORCE_FLAG} to replace them")
-            manifest = read_manifest(root)
-            (root / PROGRESS).unlink(missing_ok=True)
+    kept = "the finished shards and progress.json are kept there, and the rerun resumes from the last checkpoint"
+    if store_url:
+        kept += f" (this is the staging directory of {store_url}; XDG_CACHE_HOME moves it)"
+    # A full disk ends the run at its last checkpoint, which is whole: shards get their names only once
+    # finished and listed in progress.json, so what the failed write left half-done is truncated or deleted
+    # when the same command runs again.
+    with full_disk_says(root, kept):
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / ".lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise PreprocessingError(f"another process is writing to {root}") from None
+            _check_output_dir(root)
+            saved = None
+            if overwrite:
+                clear_output(root)
+            elif (root / MANIFEST).is_file():
+                manifest = read_manifest(root, verify=False)
+                if manifest.get("fingerprint") != _digest(fingerprint):
+                    raise PreprocessingError(f"{root} already holds shards made from other inputs, tokenizer or "
+                                             f"settings; pass {FORCE_FLAG} to replace them")
+                manifest = read_manifest(root)
+                (root / PROGRESS).unlink(missing_ok=True)
+                if report:
+                    report(f"{root} is already complete")
+                    report(summary_table(manifest))
+                if store_url:
+                    store.publish(root, store_url, report)
+                return manifest
+            elif (root / PROGRESS).is_file():
+                saved = json.loads((root / PROGRESS).read_text())
+                # Digests since many-small-file corpora (the sources list is long); whole values before.
+                changed = [k for k in fingerprint
+                           if saved["fingerprint"].get(k) not in (fingerprint[k], _digest(fingerprint[k]))]
+                if changed:
+                    raise PreprocessingError(
+                        f"{root} holds an interrupted run with different {' and '.join(changed)}; rerun it with the "
+                        f"same inputs and settings to resume, or pass {FORCE_FLAG} to start over")
+            run = _Run(root, tok, sources, ranges, fingerprint, settings, tokenizer, saved, checkpoint_every)
+            run.execute(workers, progress)
+            manifest = run.write_manifest()
             if report:
-                report(f"{root} is already complete")
-                report(summary_table(manifest))
+                report(summary_table(manifest, time.perf_counter() - started, run.processed))
             if store_url:
                 store.publish(root, store_url, report)
             return manifest
-        elif (root / PROGRESS).is_file():
-            saved = json.loads((root / PROGRESS).read_text())
-            # Digests since many-small-file corpora (the sources list is long); whole values before.
-            changed = [k for k in fingerprint if saved["fingerprint"].get(k) not in (fingerprint[k], _digest(fingerprint[k]))]
-            if changed:
-                raise PreprocessingError(
-                    f"{root} holds an interrupted run with different {' and '.join(changed)}; rerun it with the "
-                    f"same inputs and settings to resume, or pass {FORCE_FLAG} to start over")
-        run = _Run(root, tok, sources, ranges, fingerprint, settings, tokenizer, saved, checkpoint_every)
-        run.execute(workers, progress)
-        manifest = run.write_manifest()
-        if report:
-            report(summary_table(manifest, time.perf_counter() - started, run.processed))
-        if store_url:
-            store.publish(root, store_url, report)
-        return manifest
 
 
 class _Run:

@@ -15,10 +15,17 @@ Why it is safe when hundreds of ranks start at once:
   ``flock`` every process builds, and the rename still keeps the file whole.
 * A file that fails any check (magic, key, dtype, size, crc32) is rebuilt, so a
   truncated copy or a flipped byte never reaches training.
+
+A cache is an optimisation, so a full disk does not stop the run: the temporary file is deleted, the
+process says so once per directory (one line: the path, the space free there, that the index is kept in
+memory instead, and the fix) and builds the index again into memory. Such an index costs its size in
+RAM in each process that builds it and travels whole when its dataset is pickled (spawned DataLoader
+workers); the next start tries the disk again.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import uuid
@@ -30,13 +37,14 @@ from pathlib import Path
 import numpy as np
 
 from convbert_ds.errors import UserError
-from convbert_ds.fsutil import exclusive_lock
+from convbert_ds.fsutil import exclusive_lock, free_space, is_disk_full
 from convbert_ds.log import EVERY_RANK, get_logger
 
 logger = get_logger(__name__)
 
 MAGIC = b"CBDSIDX\x01"
 HEADER_BYTES = 4096
+_full_dirs: set[Path] = set()  # cache directories this process found full (and said so, once each)
 
 
 class CacheFileError(UserError, ValueError):
@@ -65,6 +73,7 @@ class CachedIndex:
     records: np.ndarray  # read-only memmap of the records
     meta: dict
     built: bool  # whether this process built the file
+    in_memory: bool = False  # built into memory: the disk had no room for the file at ``path``
 
 
 def open_records(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
@@ -80,16 +89,20 @@ class MappedRecords:
 
     def _attach(self, index: CachedIndex) -> None:
         self.index_path, self.index_built, self._records = index.path, index.built, index.records
+        self.index_in_memory = index.in_memory
 
     def __len__(self) -> int:
         return len(self._records)
 
     def __getstate__(self) -> dict:
+        if self.index_in_memory:  # no file to map: the records travel themselves
+            return dict(self.__dict__)
         return {**self.__dict__, "_records": (self._records.dtype, len(self._records))}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._records = open_records(self.index_path, *self._records)
+        if not self.index_in_memory:
+            self._records = open_records(self.index_path, *self._records)
 
 
 def _read_header(path: Path) -> dict:
@@ -172,4 +185,22 @@ def load_or_build(path: Path, key: str, dtype: np.dtype,
     except PermissionError as e:
         raise PermissionError(f"cannot write the sample index beside the shards ({e.filename}); "
                               f"pass a writable cache_dir (config: data.cache_dir)") from None
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        return _build_in_memory(path, key, dtype, build)  # outside the lock: the others need not wait for it
     return replace(_check(path, key, dtype, verify_crc=False), built=True)
+
+
+def _build_in_memory(path: Path, key: str, dtype: np.dtype, build: Callable[[RecordWriter], dict]) -> CachedIndex:
+    """The index ``load_or_build`` found no room to write: built again, into this process's memory."""
+    if path.parent not in _full_dirs:
+        _full_dirs.add(path.parent)
+        logger.warning("%s: no space left on device (%s); this process keeps its sample indexes in memory "
+                       "instead, and builds them again at every start; free some space there, or set "
+                       "data.cache_dir to a disk with room", path.parent, free_space(path.parent),
+                       extra=EVERY_RANK)
+    stream = io.BytesIO()
+    meta = build(RecordWriter(stream, dtype))
+    records = np.frombuffer(stream.getvalue(), dtype=dtype)  # read-only, as the file's memory map is
+    return CachedIndex(path, records, meta, built=True, in_memory=True)

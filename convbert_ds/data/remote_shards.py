@@ -16,6 +16,12 @@ pass ``data.cache_limit_gb`` together. Every range request carries the ETag seen
 shard (``If-Match``), so an object replaced mid-run ends the run with one line instead of mixing two
 versions; blocks are named by the sha256 the manifest lists, so a new version never meets old blocks.
 
+A full disk: the manifest and index files are needed on disk (readers map them), so the run stops with one
+line naming their directory, the space free there and what is kept (each file already fetched, whole: every
+write goes to a temporary name that is deleted when it fails; a rerun fetches the rest). A block is only a
+cache: one that finds no room is served from memory (the few recent blocks a reader holds) and fetched again
+when needed later, and the process says so once per cache directory, in one line.
+
 Why not megatron-core's object-storage reader of the same format (``IndexedDataset(...,
 object_storage_config=...)``): it downloads each index on global rank 0 only and expects the other ranks to
 find it on a shared disk, which is what a cluster without one lacks; and it keeps one chunk in memory per
@@ -38,11 +44,15 @@ import numpy as np
 from convbert_ds import objstore
 from convbert_ds.formats.shard_manifest import MANIFEST, ShardManifestError, read_store_manifest
 from convbert_ds.formats.train_config import DataSection
-from convbert_ds.fsutil import write_bytes_atomically
+from convbert_ds.fsutil import free_space, full_disk_says, is_disk_full, write_bytes_atomically
+from convbert_ds.log import EVERY_RANK, get_logger
+
+logger = get_logger(__name__)
 
 BLOCK_BYTES = 4 << 20
 DEFAULT_LIMIT_GB = DataSection.cache_limit_gb
 _BLOCKS_IN_MEMORY = 4  # per shard and process: a sample's tokens and its neighbours'
+_full_caches: set[Path] = set()  # block caches this process found full (and said so, once each)
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,13 @@ def mirror(url: str, cache: StoreCache, splits: tuple[str, ...] | None = None) -
     raw, manifest = read_store_manifest(url)
     u = objstore.Url.parse(url)
     root = cache.root / "store" / u.bucket / u.key / hashlib.sha256(raw).hexdigest()[:16]
+    with full_disk_says(root, f"the index files of {url} fetched so far are kept there, each whole, and the "
+                              "rerun fetches the rest (data.cache_dir moves them)"):
+        _mirror_into(root, u, raw, manifest, splits)
+    return root, manifest
+
+
+def _mirror_into(root: Path, u: objstore.Url, raw: bytes, manifest: dict, splits: tuple[str, ...] | None) -> None:
     if not (root / MANIFEST).is_file():
         root.mkdir(parents=True, exist_ok=True)
         write_bytes_atomically(root / MANIFEST, raw)
@@ -90,7 +107,6 @@ def mirror(url: str, cache: StoreCache, splits: tuple[str, ...] | None = None) -
                                          f"replaced); re-run python -m preprocessing.shard")
             local.parent.mkdir(parents=True, exist_ok=True)
             write_bytes_atomically(local, data)
-    return root, manifest
 
 
 def open_bin(url: str, shard: dict, cache: StoreCache) -> RemoteBin:
@@ -141,13 +157,29 @@ class RemoteTokens:
         if len(data) != expected:  # absent, evicted meanwhile by another rank, or damaged
             data = objstore.read_range(self.remote.url, block * size, block * size + expected, self.remote.etag)
             self.fetched_bytes += len(data)
-            self.dir.mkdir(parents=True, exist_ok=True)
-            write_bytes_atomically(path, data)
-            evict(self.remote.cache, keep=path)
+            self._keep_on_disk(path, data)
         self._recent[block] = data
         if len(self._recent) > _BLOCKS_IN_MEMORY:
             self._recent.popitem(last=False)
         return data
+
+    def _keep_on_disk(self, path: Path, data: bytes) -> None:
+        """Cache a fetched block for the other ranks and later starts; a full disk only costs a warning."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomically(path, data)
+        except OSError as error:
+            if not is_disk_full(error):
+                raise
+            root = self.remote.cache.root
+            if root not in _full_caches:
+                _full_caches.add(root)
+                logger.warning("%s: no space left on device (%s); blocks of shards that find no room there are "
+                               "kept in memory only and fetched again when needed; free some space there, or set "
+                               "data.cache_dir to a disk with room", root / "blocks", free_space(root),
+                               extra=EVERY_RANK)
+            return
+        evict(self.remote.cache, keep=path)
 
 
 def evict(cache: StoreCache, keep: Path | None = None) -> int:

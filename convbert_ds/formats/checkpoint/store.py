@@ -19,7 +19,9 @@ the manifest of every node's files, and ``latest`` only after every node's part 
 newest complete.
 
 Downloading (a run that starts on an empty disk, the converter's and fine-tuning's ``s3://`` paths) fills a
-temporary directory beside the target and renames it into place: a tag on disk is whole or absent.
+temporary directory beside the target and renames it into place: a tag on disk is whole or absent. A full
+disk deletes the temporary directory and ends in one line naming the target, the space free there and what is
+kept (the tags already on that disk, and the store's copy).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from convbert_ds import objstore
 from convbert_ds.formats.checkpoint import directory as local
 from convbert_ds.formats.checkpoint.directory import (COMPLETE, LATEST, UNIVERSAL, CheckpointError, is_tag,
                                                       read_manifest, step_of)
-from convbert_ds.fsutil import exclusive_lock, write_text_atomically
+from convbert_ds.fsutil import exclusive_lock, full_disk_says, write_text_atomically
 
 
 def _files(tag_dir: Path) -> list[str]:
@@ -145,17 +147,20 @@ def download_tag(url: str, tag: str, directory: Path) -> tuple[int, float]:
     names = sorted(manifest["files"]) if isinstance(manifest, dict) else \
         sorted(key[len(tag) + 1:] for key, _ in objstore.list_objects(str(root.join(tag))) if key != COMPLETE)
     names = [n for n in names if n != COMPLETE]
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{tag}.download-{uuid.uuid4().hex[:8]}"
-    try:
-        received = 0
-        for name in names:
-            objstore.download(str(root.join(tag, name)), tmp / name)
-            received += (tmp / name).stat().st_size
-        objstore.download(str(root.join(tag, COMPLETE)), tmp / COMPLETE)
-        tmp.rename(directory / tag)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # Outside the try: the line is made once the partial copy is deleted, so the space free it names is real.
+    with full_disk_says(directory / tag, f"no part of {tag} is kept there (its partial download is deleted), the "
+                                         f"checkpoints already there and {root.join(tag)} are untouched"):
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{tag}.download-{uuid.uuid4().hex[:8]}"
+        try:
+            received = 0
+            for name in names:
+                objstore.download(str(root.join(tag, name)), tmp / name)
+                received += (tmp / name).stat().st_size
+            objstore.download(str(root.join(tag, COMPLETE)), tmp / COMPLETE)
+            tmp.rename(directory / tag)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return received, time.perf_counter() - started
 
 

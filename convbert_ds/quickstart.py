@@ -16,6 +16,11 @@
 It runs on 2 CPU cores, set-up included (its time: benchmarks/RESULTS.md#row-quickstart-time); ``--smoke``
 runs every step on a small budget in a few minutes (its model is too small to beat random init: it checks the
 machinery, not the claim). Rerunning resumes training from the last checkpoint; fine-tuning is redone.
+
+Each step's output in WORK is whole or absent (written under a temporary name, then renamed), so a rerun
+takes what a stopped run left as done and goes on. A full WORK ends the run in one line naming the file,
+the space free and what is kept: the quickstart's own writes say it here, each command it runs in its own
+last line (the quickstart then stops with that command's exit code, adding nothing after it).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from convbert_ds.builtin.docstring_summaries import write_pretraining_corpus, wr
 from convbert_ds.finetune.margin import Margin, seed_scores
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.errors import UserError
-from convbert_ds.fsutil import write_text_atomically
+from convbert_ds.fsutil import full_disk_says, write_text_atomically
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "quickstart.yaml"
@@ -50,6 +55,8 @@ FINETUNE_QUESTIONS = ("--max-seq-length", "128", "--doc-stride", "32", "--batch-
 FINETUNE_CLOUD_DOCS = ("--max-seq-length", "128", "--epochs", "12", "--batch-size", "16", "--learning-rate", "1e-3",
                        "--layerwise-lr-decay", "1.0", "--group-by-length", "4")
 CLOUD_DOCS_SEEDS = 10
+KEPT = ("the data built and the checkpoints saved so far are kept there, each whole: a rerun goes on from them "
+        "(fine-tuning is redone)")
 
 
 def _env(**extra: str) -> dict:
@@ -58,7 +65,9 @@ def _env(**extra: str) -> dict:
 
 def _run(command: list[str]) -> None:
     print("$ " + " ".join(command), flush=True)
-    subprocess.run(command, check=True, cwd=REPO, env=_env())
+    code = subprocess.run(command, cwd=REPO, env=_env()).returncode
+    if code:  # the command said why in its last line (a full disk: the file, the space free, what it kept)
+        raise SystemExit(code)
 
 
 class BuiltinData(NamedTuple):
@@ -77,7 +86,8 @@ def prepare_data(work: Path, vocab_size: int, corpus_bytes: int | None = None) -
     data = BuiltinData(work / "shards", work / "task", work / "questions", work / "cloud_docs")
     if not corpus.exists():
         print("building the corpus from the installed packages' docstrings and docs...", flush=True)
-        write_pretraining_corpus(corpus, max_bytes=corpus_bytes)
+        with full_disk_says(corpus, KEPT):
+            write_pretraining_corpus(corpus, max_bytes=corpus_bytes)
     print(f"corpus: {corpus} ({corpus.stat().st_size / 1e6:.1f} MB)", flush=True)
     if not (tokenizer / "tokenizer.json").exists():
         _run([python, "-m", "preprocessing.tokenizer", "--input", str(corpus), "--out", str(tokenizer),
@@ -88,8 +98,9 @@ def prepare_data(work: Path, vocab_size: int, corpus_bytes: int | None = None) -
     for folder, last_written, write in ((data.task, "validation.jsonl", write_transfer_task),
                                         (data.questions, "validation.json", write_qa_task),
                                         (data.cloud_docs, "validation.jsonl", write_cloud_docs_task)):
-        if not (folder / last_written).exists():
-            write(folder)
+        if not (folder / last_written).exists():  # each file is whole; the last one written marks the task done
+            with full_disk_says(folder, KEPT):
+                write(folder)
     return data
 
 
@@ -179,23 +190,31 @@ def finetune_both(model: Path, task: Downstream, out: Path) -> Margin:
         background = subprocess.Popen(random, cwd=REPO, env=_env(OMP_NUM_THREADS=threads), stdout=log_file,
                                       stderr=subprocess.STDOUT)
         try:
-            subprocess.run(pretrained, check=True, cwd=REPO, env=_env(OMP_NUM_THREADS=threads))
+            code = subprocess.run(pretrained, cwd=REPO, env=_env(OMP_NUM_THREADS=threads)).returncode
         finally:
             background.wait()
-    if background.returncode != 0:
-        raise subprocess.CalledProcessError(background.returncode, random, output=f"see {log}")
+    if code:  # its last line, on the terminal, said why (as _run's commands do)
+        raise SystemExit(code)
+    if background.returncode != 0:  # its last line is in the log: said here, as the run's last
+        said = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        raise UserError(f"the random-init fine-tuning stopped ({said[-1] if said else 'no output'}); its output: "
+                        f"{log}")
     return Margin(task.title, task.metric.replace("accuracy", "accuracy x 100"),
                   seed_scores(out / "pretrained", task.metric, task.scale),
                   seed_scores(out / "random_init", task.metric, task.scale))
 
 
 def writable_work_dir(work: Path) -> Path:
-    """``work``, made if missing; one line if it cannot be written (before any of the work that fills it)."""
+    """``work``, made if missing; one line if it cannot be written, or its disk is full (before any of the work
+    that fills it: the corpus alone takes seconds to build)."""
+    probe = work / f".write-check-{os.getpid()}"
     try:
-        work.mkdir(parents=True, exist_ok=True)
-        probe = work / f".write-check-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        with full_disk_says(work, KEPT):
+            work.mkdir(parents=True, exist_ok=True)
+            try:
+                probe.write_bytes(b"\0")  # a byte, not an empty file: a full disk makes that (an inode) and no more
+            finally:
+                probe.unlink(missing_ok=True)
     except OSError as error:
         raise UserError(f"--work-dir {work}: cannot write there ({error.strerror or type(error).__name__}); pass "
                         "--work-dir with a directory you can write (a full run leaves about 90 MB there)") from None
@@ -233,8 +252,10 @@ def main(argv: list[str] | None = None) -> None:
         margins.append(finetune_both(hf / "discriminator", downstream, work / "finetune" / downstream.name))
         print(f"\n{margins[-1].report()}\n", flush=True)
     summary = "\n".join(margin.report() for margin in margins)
-    write_text_atomically(work / "transfer.txt", summary + "\n")
-    write_text_atomically(work / "transfer.json", json.dumps([m.as_dict() for m in margins], indent=2) + "\n")
+    for name, text in (("transfer.txt", summary + "\n"),
+                       ("transfer.json", json.dumps([m.as_dict() for m in margins], indent=2) + "\n")):
+        with full_disk_says(work / name, KEPT):
+            write_text_atomically(work / name, text)
     print("pretrained against random init, each task's fine-tuning seeds (" + str(work / "transfer.json") + "):\n")
     print(summary)
     print(f"fine-tuned models (transformers ConvBertFor...): {work / 'finetune'}/*/pretrained/best")

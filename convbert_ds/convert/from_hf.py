@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from convbert_ds.config import OBJECTIVES, ElectraConfig, ModelConfig
-from convbert_ds.convert.to_hf import RTD_HEAD_FILE, tokenizer_files
+from convbert_ds.convert.to_hf import RTD_HEAD_FILE, tokenizer_files, write_output
 from convbert_ds.formats.checkpoint.names import meta_model
 from convbert_ds.formats.init_dir import (INIT_FILE, INIT_FORMAT, INIT_FORMAT_VERSION, WEIGHTS_FILE, ConvertError,
                                           match_weights)
-from convbert_ds.fsutil import refuse_non_empty, write_dir_atomically
+from convbert_ds.fsutil import refuse_non_empty
 from convbert_ds.model import ConvBertForMaskedLM, ConvBertModel
 from convbert_ds.model.hf_io import WeightsError, check_recorded_sha256, read_weights
 from preprocessing.tokenizer import load_tokenizer
@@ -109,7 +109,7 @@ def convert_from_hf(hf_dir, out, generator_dir=None, objective: str = "electra",
 
     # Fail now, not at the trainer's start, if the weights do not fit a model built from init.json.
     match_weights(meta_model(_electra_for_check(init)), weights, "the converted weights")
-    write_dir_atomically(out, fill)
+    write_output(out, fill)
     return init
 
 

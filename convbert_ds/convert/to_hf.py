@@ -15,7 +15,8 @@ the body instead of inside ``model.safetensors``. An ``mlm``-objective checkpoin
 OUT holds ``generator/`` alone, a ConvBertForMaskedLM of the main model's size.
 
 Tensors are written straight from the consolidated state dict (no model is built), and OUT appears by
-one rename of a finished temporary directory.
+one rename of a finished temporary directory: a failed write (a full disk: one line naming OUT, the space
+free there and what it still holds) leaves OUT as it was, never a part of a model.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from convbert_ds.convert.model_card import PIPELINE_TAGS, RTD_HEAD_FILE, CardFac
 from convbert_ds.convert.reader import open_checkpoint, read_state_dict
 from convbert_ds.convert.verify import verify_output
 from convbert_ds.formats.init_dir import ConvertError
-from convbert_ds.fsutil import refuse_non_empty, write_dir_atomically
+from convbert_ds.fsutil import full_disk_says, refuse_non_empty, write_dir_atomically
 from convbert_ds.model.hf_io import config_json, write_checksums
 from convbert_ds.model.tied import untie
 from preprocessing.tokenizer import TOKENIZER_FILES, tokenizer_sha256
@@ -59,6 +60,14 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, dtype: str) -> No
 
 def tokenizer_files(directory: Path) -> list[Path]:
     return [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
+
+
+def write_output(out: Path, fill) -> None:
+    """OUT filled by ``fill(tmp)`` and renamed in whole; a full disk is one line saying what OUT still holds."""
+    kept = (f"{out} still holds what it held before" if out.is_dir() and any(out.iterdir())
+            else f"no part of the output is left in {out} (the partial copy is deleted)")
+    with full_disk_says(out, kept):
+        write_dir_atomically(out, fill)
 
 
 def resolve_tokenizer(recorded: dict | None, override=None) -> Path:
@@ -120,7 +129,7 @@ def write_hf(out, weights: dict[str, torch.Tensor], electra: ElectraConfig, toke
         for name in dirs:
             write_checksums(tmp / name)
 
-    write_dir_atomically(out, fill)
+    write_output(out, fill)
     return report or None
 
 

@@ -7,7 +7,8 @@ and dicts only): ``{"step", "model", "optimizer", "rng", "history"}`` where ``hi
 evaluated epoch ``{"epoch", "step", "metrics": {split: {metric: value}}}``. A killed run restarts from the
 last state: the data order comes from (seed, epoch) and the RNG state is restored, so it continues as if
 never stopped. The per-step log (JSON lines ``{"step", "loss", "lr"}``) is cut back to the saved step on
-resume.
+resume (a line a full disk cut short with it). A write that finds the disk full (the log, the state, question
+answering's predictions) ends the run in one line naming the file, the space free and the state kept.
 
 ``train_seed`` runs one seed from its parts: ``Schedule`` (steps, epochs, learning rate), ``EpochBatches``
 (the data order), ``load_state`` / ``save_state`` (resume), ``data_parallel`` (DDP), ``train_step`` (one
@@ -36,7 +37,7 @@ from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.tasks import TaskData
 from convbert_ds.formats.checkpoint.rng import rng_state, set_rng_state
 from convbert_ds.formats.safe_pickle import safe_load
-from convbert_ds.fsutil import truncate_jsonl, write_bytes_atomically
+from convbert_ds.fsutil import full_disk_says, truncate_jsonl, write_bytes_atomically
 from convbert_ds.log import get_logger
 from convbert_ds.model.optim import layerwise_param_groups, linear_warmup_decay
 
@@ -241,6 +242,21 @@ def evaluate(model, objective, evals: dict, recipe: Recipe, seed: int, epochs_do
     return entry
 
 
+def append_log_line(log_path: Path, row: dict) -> None:
+    """One JSON line at the per-step log's end. The file is opened per line: a line a full disk refused would
+    stay in an open file's buffer, and its close raise again. A line the disk cut short (it took what fit) is
+    dropped on resume (``fsutil.truncate_jsonl``)."""
+    with open(log_path, "a") as log_file:
+        log_file.write(json.dumps(row) + "\n")
+
+
+def kept_state(state_dir: Path, seed: int, saved_step: int) -> str:
+    """What a full disk during seed ``seed`` leaves a rerun: its last saved state, whole, to resume from."""
+    if saved_step:
+        return f"seed {seed}'s state of step {saved_step} is kept whole in {state_dir}: a rerun resumes there"
+    return f"seed {seed} has no saved state yet: a rerun starts it from its first step"
+
+
 def train_seed(model: torch.nn.Module, objective, train, evals: dict, recipe: Recipe, seed: int, place: Placement,
                state_dir: Path, log_path: Path) -> list[dict]:
     """Fine-tune ``model`` in place on ``objective`` (``Classification``, ``qa.SpanObjective``); returns the
@@ -252,13 +268,21 @@ def train_seed(model: torch.nn.Module, objective, train, evals: dict, recipe: Re
         raise ValueError(f"{len(train)} training examples cannot fill a batch across {place.world_size} ranks")
     schedule = Schedule.of(len(batches.of(0)), recipe)
     step, history = load_state(state_dir, seed, model, optimizer)
+    saved = step
+
+    def full_disk(path):  # a write of this seed that finds its disk full: one line, naming the state kept
+        return full_disk_says(path, kept_state(state_dir, seed, saved))
+
     if place.main:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        truncate_jsonl(log_path, step)
+        with full_disk(state_dir):
+            state_dir.mkdir(parents=True, exist_ok=True)
+        with full_disk(log_path):
+            truncate_jsonl(log_path, step)
     wrapped = data_parallel(model, place)
     model.train()
     bar = tqdm(total=schedule.total, initial=step, desc=f"seed {seed}", disable=not place.main, dynamic_ncols=True)
-    with bar, open(log_path, "a") if place.main else contextlib.nullcontext() as log_file:
+    predictions = getattr(objective, "write_to", None)  # question answering writes its predictions there
+    with bar:
         while step < schedule.total:
             epoch, position = divmod(step, schedule.steps_per_epoch)
             factor = schedule.lr_factor(step)
@@ -268,11 +292,14 @@ def train_seed(model: torch.nn.Module, objective, train, evals: dict, recipe: Re
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if place.main:
-                log_file.write(json.dumps({"step": step, "loss": loss, "lr": recipe.learning_rate * factor}) + "\n")
-                log_file.flush()
+                with full_disk(log_path):
+                    append_log_line(log_path, {"step": step, "loss": loss, "lr": recipe.learning_rate * factor})
             epochs_done = schedule.epochs_ended_at(step)
             if epochs_done is not None and evaluation_due(epochs_done, step, schedule, recipe):
-                history.append(evaluate(model, objective, evals, recipe, seed, epochs_done, step, place, bar))
+                with full_disk(predictions) if predictions else contextlib.nullcontext():
+                    history.append(evaluate(model, objective, evals, recipe, seed, epochs_done, step, place, bar))
             if epochs_done is not None or step % recipe.save_steps == 0:
-                save_state(state_dir, step, model, optimizer, history, place)
+                with full_disk(state_dir / STATE_FILE):
+                    save_state(state_dir, step, model, optimizer, history, place)
+                saved = step
     return history

@@ -14,6 +14,11 @@
                             id2label, written atomically whenever a seed beats the best so far
     OUT/results.json        the metric per seed, their median, the command and the model it started from
     OUT/results.md          the same as a Markdown table
+
+Each file and directory is written whole or not at all (a temporary name, then a rename). A write that finds
+the disk full ends the run in one line naming it, the space free there and what is kept for the rerun that
+goes on: the unfinished seed's last state, a finished seed's state at its last step (so the rerun writes its
+results without training it again), the finished seeds' results.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.squad import QATask, windows
 from convbert_ds.finetune.tagging import TaggingTask, TagObjective, encode_tags
 from convbert_ds.finetune.tasks import TaskData
-from convbert_ds.fsutil import write_json_atomically, write_text_atomically
+from convbert_ds.fsutil import full_disk_says, write_json_atomically, write_text_atomically
 from convbert_ds.model import (ConvBertForQuestionAnswering, ConvBertForSequenceClassification,
                                ConvBertForTokenClassification)
 from convbert_ds.model.hf_io import read_tokenizer
@@ -111,7 +116,8 @@ def check_resume(path: Path, settings: dict, what: str = "a run") -> None:
                                 "--out, or --force to start over there")
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomically(path, settings)
+        with full_disk_says(path, f"no part of {path.name} is left there: a rerun starts {what} afresh"):
+            write_json_atomically(path, settings)
 
 
 def _primary(task: TaskData, result: dict) -> float:
@@ -135,8 +141,11 @@ def _report(spec: RunSpec, settings: dict, seeds: list[dict]) -> dict:
     results["median_by_metric"] = {
         split: {name: statistics.median(s["final"][split][name] for s in seeds) for name in seeds[0]["final"][split]}
         for split in seeds[0]["final"]}
-    write_json_atomically(spec.out / "results.json", results)
-    write_text_atomically(spec.out / "results.md", markdown_table(results))
+    kept = f"every seed's result is kept in {spec.out / SEEDS_DIR}: a rerun writes the results without training"
+    with full_disk_says(spec.out / "results.json", kept):
+        write_json_atomically(spec.out / "results.json", results)
+    with full_disk_says(spec.out / "results.md", kept):
+        write_text_atomically(spec.out / "results.md", markdown_table(results))
     return results
 
 
@@ -211,10 +220,17 @@ def run(spec: RunSpec) -> dict | None:
                              out / SEEDS_DIR / f"seed{seed}.jsonl")
         result = {"seed": seed, "history": history, "final": history[-1]["metrics"]}
         if place.main:
+            state_dir = out / STATE_DIR / f"seed{seed}"
+            kept = f"seed {seed}'s state at its last step is kept whole in {state_dir}: a rerun finishes it " \
+                   "without training"
             if not finished or _primary(task, result["final"]) > max(_primary(task, s["final"]) for s in finished):
-                _save_best(model, source.hf_dir, out, spec.command, seed, result["final"])
-            write_json_atomically(done, result)
-            shutil.rmtree(out / STATE_DIR / f"seed{seed}", ignore_errors=True)
+                best = out / BEST_DIR  # replaced whole: the model that was there stays until the new one is in
+                with full_disk_says(best, (f"{best} still holds the best earlier seed's model; " if best.is_dir()
+                                           else "") + kept):
+                    _save_best(model, source.hf_dir, out, spec.command, seed, result["final"])
+            with full_disk_says(done, kept):
+                write_json_atomically(done, result)
+            shutil.rmtree(state_dir, ignore_errors=True)
         place.barrier()
         finished.append(result)
     return _report(spec, settings, finished) if place.main else None

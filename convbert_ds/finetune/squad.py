@@ -27,7 +27,7 @@ from pathlib import Path
 
 from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.squad_metric import answers_nothing, squad_v1, squad_v2
-from convbert_ds.fsutil import write_json_atomically
+from convbert_ds.fsutil import write_dir_atomically
 
 SQUAD_TASKS = ("squad", "squad_v2")
 
@@ -242,9 +242,13 @@ def score(task: QATask, questions: list[Question], decoded: Decoded, threshold: 
 def write_predictions(directory: Path, predictions: dict[str, str], null_odds: dict[str, float] | None) -> None:
     """``predictions.json`` (and v2.0's ``null_odds.json``, question id -> null odds, the official v2.0
     script's ``--na-prob-file``) as the official evaluation scripts read them; infinite odds (no span) are
-    written as 1e9, which is above any threshold the dev set can choose."""
-    directory.mkdir(parents=True, exist_ok=True)
-    write_json_atomically(directory / "predictions.json", predictions)
-    if null_odds is not None:
-        write_json_atomically(directory / "null_odds.json", {q: min(v, 1e9) for q, v in null_odds.items()})
+    written as 1e9, which is above any threshold the dev set can choose. The directory is replaced whole: the
+    two files are always of the same evaluation."""
+    def fill(tmp: Path) -> None:
+        (tmp / "predictions.json").write_text(json.dumps(predictions, indent=2) + "\n")
+        if null_odds is not None:
+            (tmp / "null_odds.json").write_text(json.dumps({q: min(v, 1e9) for q, v in null_odds.items()},
+                                                           indent=2) + "\n")
+
+    write_dir_atomically(directory, fill)
 

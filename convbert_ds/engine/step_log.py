@@ -64,7 +64,9 @@ class StepLog:
         samples_per_s = t.global_batch_size / step_seconds
         tflops = self.flops_per_sample * samples_per_s / dist.get_world_size() / 1e12
         grad_norm = self.grad_norm()
-        return {"lr": self.engine.get_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        # The rate step ``step`` ran at: the engine's get_lr() is already the next step's.
+        return {"lr": self.engine.lr_scheduler.ran_lr()[0],
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self.cfg.data.seq_len,
                 "tflops": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
                 **self.counts(),

@@ -106,11 +106,20 @@ class LinearWarmupDecayLR:
 
     def get_lr(self) -> list[float]:
         """The rate of the next step, per parameter group."""
-        factor = linear_warmup_decay(self.last_batch_iteration + 1, self.warmup_steps, self.total_steps)
-        return [self.peak * factor for _ in self.optimizer.param_groups]
+        return self._rates(self.last_batch_iteration + 1)
 
     def get_last_lr(self) -> list[float]:
         return self._last_lr
+
+    def ran_lr(self) -> list[float]:
+        """The rate the last optimizer step ran at, per parameter group (the one a step's log line reports:
+        ``get_lr`` is already the next step's); before any step, the first step's. From the position alone, so
+        it holds after a resume too."""
+        return self._rates(max(self.last_batch_iteration, 0))
+
+    def _rates(self, iteration: int) -> list[float]:
+        factor = linear_warmup_decay(iteration, self.warmup_steps, self.total_steps)
+        return [self.peak * factor for _ in self.optimizer.param_groups]
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         """After an optimizer step (DeepSpeed's engine calls it); sets the next step's rate."""

@@ -32,6 +32,12 @@ def _rates(scheduler_factory, steps: int) -> list[float]:
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
+        if isinstance(scheduler, LinearWarmupDecayLR):  # what the step's log line reports: the rate it ran at
+            assert scheduler.ran_lr() == pytest.approx([rates[-1]] * 2, abs=1e-15)
+            other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1)) for _ in groups], lr=123.0)
+            resumed = LinearWarmupDecayLR(other, scheduler.peak, scheduler.warmup_steps, scheduler.total_steps)
+            resumed.load_state_dict(scheduler.state_dict())
+            assert resumed.ran_lr() == pytest.approx([rates[-1]], abs=1e-15), "after a resume too"
     return rates
 
 

@@ -59,7 +59,8 @@ def test_phase_2_starts_from_phase_1_with_its_own_schedule_and_data(phase1, stra
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["consumed_samples"] for r in rows] == [8 * s for s in range(1, 9)], "a new sample stream from 0"
     lrs = [r["lr"] for r in rows]
-    assert max(lrs) == pytest.approx(3e-4) and lrs[0] < max(lrs) and lrs[-1] < max(lrs), "its own warm-up, decay"
+    # its own warm-up (2 steps) and decay (to 0 at step 8), each row the rate its step ran at
+    assert lrs == pytest.approx([3e-4 * f for f in (0, 0.5, 1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6)], abs=1e-12)
     state, before = _state(run / "checkpoints", 8), _state(phase1, 6)
     assert state["phase"]["index"] == 2 and state["phase"]["from_step"] == 6
     assert state["samples_seen"] == before["samples_seen"] + 8 * 8 == 6 * 16 + 64

@@ -1,7 +1,8 @@
 """A stopping signal before the first step has ended: the trainer has nothing to save, so it stops at once, in
 one line, with ``EXIT_PREEMPTED`` (a job script requeues on it), whatever it is doing. Here: waiting in the
 rendezvous for peers that never come (in C++, where Python's own handlers do not run: a trainer sent SIGTERM
-there was still waiting 8 minutes later), and compiling its first step."""
+there was still waiting 8 minutes later), importing, downloading its shards from a store that does not
+answer (the store's patience is minutes), and compiling its first step."""
 
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 from convbert_ds.engine.distributed import free_port
 from convbert_ds.engine.step_guard import EXIT_PREEMPTED
 from launch import REPO, TINY_CONFIG, env
+from object_store import S3Server
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +70,23 @@ def test_a_trainer_still_importing_stops_at_once(tiny_corpus, tmp_path):
         time.sleep(0.02)
     output = stopped_within(rank, signal.SIGINT, 10)
     assert "KeyboardInterrupt" not in output
+
+
+def test_a_run_waiting_for_its_store_stops_at_once(tmp_path):
+    """The shards' store is down (its port closed): the trainer retries for up to the store's patience, and a
+    signal then ends it at once. (Nothing is uploaded: the first request, for the manifest, never answers.)"""
+    with S3Server() as server:
+        server.pause()
+        run = trainer("s3://shards/tiny", tmp_path, f"data.cache_dir={tmp_path / 'cache'}", RANK="0",
+                      LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=free_port(), CONVBERT_DS_STORE_PATIENCE="600", **server.env)
+        said = []
+        for line in run.stdout:
+            said.append(line)
+            if "the store did not answer" in line:
+                break
+        assert run.poll() is None, "".join(said)[-3000:]
+        stopped_within(run, signal.SIGTERM, 10)
 
 
 def test_a_run_compiling_its_first_step_stops_at_once(tiny_corpus, tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ PATIENCE_VAR = "CONVBERT_DS_STORE_PATIENCE"
 DEFAULT_PATIENCE_S = 300.0
 READ_CHUNK = 8 << 20
 T = TypeVar("T")
+_BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}")  # what the S3 client accepts (AWS itself: 3-63, lower case)
 
 
 class StoreError(UserError, OSError):
@@ -67,12 +69,17 @@ class Url:
 
     @classmethod
     def parse(cls, url: str) -> Url:
+        if not url.isprintable():  # a newline or tab pasted with it: refused here, shown escaped
+            raise StoreError(f"{url!r}: a URL with a control character; write s3://BUCKET/PREFIX")
         if not url.startswith(SCHEME):
             raise StoreError(f"{url}: only s3:// URLs are supported (other S3-compatible stores: s3:// with "
                              f"AWS_ENDPOINT_URL set to the store's endpoint)")
         bucket, _, key = url[len(SCHEME):].partition("/")
         if not bucket:
             raise StoreError(f"{url}: no bucket; write s3://BUCKET/PREFIX")
+        if not _BUCKET.fullmatch(bucket):
+            raise StoreError(f"{url}: {bucket!r} is not a bucket name (letters, digits, '.', '-' and '_'); write "
+                             "s3://BUCKET/PREFIX")
         return cls(bucket, key.strip("/"))
 
     def __str__(self) -> str:
@@ -135,8 +142,8 @@ def _user_error(url: str, error: Exception) -> StoreError:
     if isinstance(error, (NoCredentialsError, PartialCredentialsError)):
         return StoreError(f"{url}: no credentials for the store ({error}); set AWS_ACCESS_KEY_ID and "
                           f"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE")
-    if not isinstance(error, ClientError):
-        return StoreError(f"{url}: {type(error).__name__}: {error}")
+    if not isinstance(error, ClientError):  # the client's own text may run over lines: one line
+        return StoreError(f"{url}: {type(error).__name__}: {' '.join(str(error).split())}")
     code = str(error.response.get("Error", {}).get("Code", ""))
     bucket = Url.parse(url).bucket
     if code == "NoSuchBucket":

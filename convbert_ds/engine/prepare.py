@@ -43,7 +43,8 @@ def prepare(plan: RunPlan) -> RunPlan:
     cfg, data = plan.cfg, plan.cfg.data
     if cfg.checkpoint.mirror:
         # Every process of a node may call it at once: one downloads and says so, the others wait for it.
-        fetched = checkpoint_store.fetch_newer(Path(cfg.checkpoint.dir), cfg.checkpoint.mirror)
+        fetched = checkpoint_store.fetch_newer(Path(cfg.checkpoint.dir), cfg.checkpoint.mirror,
+                                               cfg.checkpoint.verify)
         if fetched:
             log.info(fetched, extra=EVERY_RANK)
     if distributed.rank() == 0:

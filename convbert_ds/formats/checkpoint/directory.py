@@ -45,7 +45,7 @@ import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from convbert_ds.errors import UserError
 from convbert_ds.fsutil import file_sha256, write_text_atomically
@@ -132,15 +132,34 @@ def write_manifest(tag_dir: Path, world_size: int) -> None:
 
 def read_manifest(tag_dir: Path) -> dict | None:
     """The manifest, or None for a checkpoint from before manifests ("N\\n": nothing to verify against)."""
-    text = (tag_dir / COMPLETE).read_text()
+    return parse_manifest((tag_dir / COMPLETE).read_bytes())
+
+
+def is_file_in_tag(name: str) -> bool:
+    """A name a tag's file may have: relative, no ``..`` (a download would write it outside the tag)."""
+    path = PurePosixPath(name)
+    return bool(path.parts) and not path.is_absolute() and ".." not in path.parts and name != COMPLETE
+
+
+def parse_manifest(raw: bytes) -> dict | None:
+    """COMPLETE's bytes (on a disk or in a store) as ``read_manifest`` returns them; a ``ValueError`` saying what
+    is wrong. Every entry is checked here, so its readers may index it: a name ``is_file_in_tag``, a size an
+    int, a sha256 a string."""
     try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError(f"{COMPLETE}: not valid JSON") from None
-    if isinstance(manifest, int):
+    if type(manifest) is int:
         return None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
         raise ValueError(f"{COMPLETE}: not a checkpoint manifest")
+    for name, entry in files.items():
+        if not is_file_in_tag(name):
+            raise ValueError(f"{COMPLETE}: {name!r} is not a file name inside the tag")
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+                and isinstance(entry.get("sha256"), str)):
+            raise ValueError(f"{COMPLETE}: the entry of {name} is not {{\"size\": BYTES, \"sha256\": HEX}}")
     return manifest
 
 

@@ -34,9 +34,12 @@ from pathlib import Path
 
 from convbert_ds import objstore
 from convbert_ds.formats.checkpoint import directory as local
-from convbert_ds.formats.checkpoint.directory import (COMPLETE, LATEST, UNIVERSAL, CheckpointError, is_tag,
-                                                      read_manifest, step_of)
+from convbert_ds.formats.checkpoint.directory import (COMPLETE, DAMAGED_TAG, LATEST, UNIVERSAL, CheckpointError,
+                                                      is_file_in_tag, is_tag, parse_manifest, read_manifest, step_of)
 from convbert_ds.fsutil import exclusive_lock, full_disk_says, write_text_atomically
+from convbert_ds.log import EVERY_RANK, get_logger
+
+log = get_logger(__name__)
 
 
 def _files(tag_dir: Path) -> list[str]:
@@ -116,7 +119,7 @@ def latest_complete(url: str) -> str | None:
     """The tag the store's ``latest`` names if it is complete, else its newest complete tag."""
     tags = complete_tags(url)
     try:
-        named = objstore.read_bytes(str(objstore.Url.parse(url).join(LATEST))).decode().strip()
+        named = objstore.read_bytes(str(objstore.Url.parse(url).join(LATEST))).decode(errors="replace").strip()
     except objstore.StoreNotFound:
         named = None
     return named if named in tags else (tags[-1] if tags else None)
@@ -140,13 +143,11 @@ def download_tag(url: str, tag: str, directory: Path) -> tuple[int, float]:
     and the seconds taken."""
     started, root = time.perf_counter(), objstore.Url.parse(url)
     try:
-        manifest = json.loads(objstore.read_bytes(str(root.join(tag, COMPLETE))))
+        manifest = parse_manifest(objstore.read_bytes(str(root.join(tag, COMPLETE))))
     except ValueError as error:
-        raise CheckpointError(f"{root.join(tag, COMPLETE)}: not a checkpoint manifest ({error}); use an older "
-                              f"tag") from None
-    names = sorted(manifest["files"]) if isinstance(manifest, dict) else \
-        sorted(key[len(tag) + 1:] for key, _ in objstore.list_objects(str(root.join(tag))) if key != COMPLETE)
-    names = [n for n in names if n != COMPLETE]
+        raise CheckpointError(f"{root.join(tag)}/{error}; {DAMAGED_TAG}") from None
+    names = sorted(manifest["files"]) if manifest is not None else \
+        sorted(key for key, _ in objstore.list_objects(str(root.join(tag))) if is_file_in_tag(key))
     # Outside the try: the line is made once the partial copy is deleted, so the space free it names is real.
     with full_disk_says(directory / tag, f"no part of {tag} is kept there (its partial download is deleted), the "
                                          f"checkpoints already there and {root.join(tag)} are untouched"):
@@ -164,19 +165,41 @@ def download_tag(url: str, tag: str, directory: Path) -> tuple[int, float]:
     return received, time.perf_counter() - started
 
 
-def fetch_newer(directory: Path, url: str) -> str | None:
+def fetch_newer(directory: Path, url: str, verify_mode: str = "checksum") -> str | None:
     """Download the store's newest complete tag into ``directory`` (and point ``latest`` at it) when the
     directory has none as new: a fresh machine, a lost disk. Every process of a node may call it at once:
-    one downloads, the others wait for it and find the tag there. Returns a line saying what was fetched."""
+    one downloads, the others wait for it and find the tag there. Returns a line saying what was fetched.
+
+    A tag whose copy fails ``verify_mode`` (a file missing from the store, or not the one its manifest lists)
+    is deleted from the disk with one warning and the next older one is fetched, as ``choose_resume_tag``
+    does on a disk: one damaged object costs the steps since the older checkpoint, not the run. None intact,
+    and none on the disk either, is an error (starting from step 0 would drop the run silently)."""
     directory.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(directory / ".store-download.lock"):
-        remote, here = latest_complete(url), local.latest_complete(directory)
-        if remote is None or (here is not None and step_of(here) >= step_of(remote)):
-            return None
-        shutil.rmtree(directory / remote, ignore_errors=True)  # an interrupted save of that step, if any
-        size, seconds = download_tag(url, remote, directory)
-        write_text_atomically(directory / LATEST, remote + "\n")
-    return f"downloaded checkpoint {remote} from {url} into {directory} ({size / 2**20:,.1f} MiB in {seconds:.1f} s)"
+        remote, here = complete_tags(url)[::-1], local.latest_complete(directory)
+        first = latest_complete(url)
+        newer = [t for t in remote[remote.index(first):] if here is None or step_of(t) > step_of(here)] \
+            if first else []
+        damaged = []
+        for tag in newer:
+            shutil.rmtree(directory / tag, ignore_errors=True)  # an interrupted save of that step, if any
+            try:
+                size, seconds = download_tag(url, tag, directory)
+                problem = local.verify(directory / tag, verify_mode)
+            except (objstore.StoreNotFound, CheckpointError) as error:
+                problem = str(error)
+            if problem is None:
+                write_text_atomically(directory / LATEST, tag + "\n")
+                return (f"downloaded checkpoint {tag} from {url} into {directory} ({size / 2**20:,.1f} MiB in "
+                        f"{seconds:.1f} s)")
+            shutil.rmtree(directory / tag, ignore_errors=True)
+            damaged.append(f"{tag}: {problem}")
+            log.warning(f"checkpoint {tag} in {url} is damaged ({problem}); trying the next older one",
+                        extra=EVERY_RANK)
+    if damaged and here is None:
+        raise CheckpointError(f"no intact checkpoint in {url}: {'; '.join(damaged)}; restore the damaged files, "
+                              "or move the tags out of the store to start from step 0")
+    return None
 
 
 def local_copy(url: str, tag: str | None = None) -> tuple[Path, str]:
@@ -198,4 +221,8 @@ def local_copy(url: str, tag: str | None = None) -> tuple[Path, str]:
         if not (directory / tag / COMPLETE).is_file():
             shutil.rmtree(directory / tag, ignore_errors=True)
             download_tag(str(root), tag, directory)
+            problem = local.verify(directory / tag, "checksum")  # once, as it arrives: the cache is kept whole
+            if problem is not None:
+                shutil.rmtree(directory / tag)
+                raise CheckpointError(f"{root.join(tag)}: {problem}; {DAMAGED_TAG}; complete tags: {tags}")
     return directory, tag

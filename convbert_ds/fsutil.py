@@ -25,60 +25,6 @@ from convbert_ds.log import EVERY_RANK, get_logger
 logger = get_logger(__name__)
 
 FORCE_FLAG = "--force"  # the one name, across CLIs, for "replace my non-empty output"
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full filesystem, or the user's quota spent
-# How torch's zip writer (torch.save) reports a write that failed: a RuntimeError, not the OSError beneath it
-TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed writing")
-# How safetensors' writer (save_file) reports one: a SafetensorError ending in Rust's "(os error 28)"
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-
-
-class DiskFull(UserError):
-    """A write found its filesystem full: the line names the path, the space free there and what is kept."""
-
-
-def human_bytes(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
-def free_space(path) -> str:
-    """``"N MB free there"`` for the filesystem holding ``path`` (or its nearest existing parent)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        return f"{human_bytes(shutil.disk_usage(path).free)} free there"
-    except OSError:
-        return "free space unknown"
-
-
-def is_disk_full(error: BaseException) -> bool:
-    """A full filesystem, as an OSError says it or as torch.save's and safetensors' writers do (which hide the
-    OSError)."""
-    if isinstance(error, OSError):
-        return error.errno in DISK_FULL_ERRNOS
-    if type(error).__name__ == "SafetensorError":
-        return any(int(errno_) in DISK_FULL_ERRNOS for errno_ in _RUST_OS_ERROR.findall(str(error)))
-    return isinstance(error, RuntimeError) and any(text in str(error) for text in TORCH_WRITE_FAILED)
-
-
-def disk_full_line(path, kept: str | None) -> str:
-    """The one line for a write to ``path`` that found no room: the space free and what the user keeps."""
-    return (f"{path}: no space left on device ({free_space(path)}){'; ' + kept if kept else ''}; "
-            f"free some space there (or write elsewhere) and rerun the same command")
-
-
-@contextmanager
-def full_disk_says(path, kept: str) -> Iterator[None]:
-    """Turn a full disk inside the block into ``DiskFull`` naming ``path`` and ``kept`` (what is still whole:
-    the writes here leave no partial file behind, so a rerun starts from it)."""
-    try:
-        yield
-    except Exception as error:  # noqa: BLE001 - re-raised unless is_disk_full says it is a full disk
-        if not is_disk_full(error):
-            raise
-        raise DiskFull(disk_full_line(path, kept)) from error
-
-
 def fsync_dir(directory: Path) -> None:
     """Make a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
     try:

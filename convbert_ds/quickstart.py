@@ -39,7 +39,8 @@ from convbert_ds.builtin.docstring_summaries import write_pretraining_corpus, wr
 from convbert_ds.finetune.margin import Margin, seed_scores
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.errors import UserError
-from convbert_ds.fsutil import full_disk_says, write_text_atomically
+from convbert_ds.disk_full import full_disk_says
+from convbert_ds.fsutil import write_text_atomically
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "quickstart.yaml"

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from convbert_ds.cli import ArgumentParser
 from convbert_ds.formats.shard_manifest import read_manifest, shard_prefix, split_entry, write_manifest
-from convbert_ds.fsutil import FORCE_FLAG, full_disk_says, refuse_non_empty
+from convbert_ds.disk_full import full_disk_says
+from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty
 from preprocessing.encode import SPLITS
 from preprocessing.errors import PreprocessingError, run_cli
 from preprocessing.shard import REPAIRED, SKIPPED, clear_output, summary_table

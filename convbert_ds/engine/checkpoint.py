@@ -55,7 +55,8 @@ from convbert_ds.formats.checkpoint import run_state
 from convbert_ds.formats.checkpoint import store as checkpoint_store
 from convbert_ds.formats.checkpoint.rng import load_rng_file, rng_state, set_rng_state
 from convbert_ds.formats.safe_pickle import check_directory, deepspeed_loads_weights_only
-from convbert_ds.fsutil import free_space, human_bytes, write_text_atomically
+from convbert_ds.disk_full import free_space, human_bytes
+from convbert_ds.fsutil import write_text_atomically
 from convbert_ds.log import get_logger
 
 EXIT_NOT_SAVED = 4  # the run's last save failed: not 3 (EXIT_PREEMPTED), a requeue would hit the same disk

@@ -42,7 +42,8 @@ from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.squad import QATask, windows
 from convbert_ds.finetune.tagging import TaggingTask, TagObjective, encode_tags
 from convbert_ds.finetune.tasks import TaskData
-from convbert_ds.fsutil import full_disk_says, write_json_atomically, write_text_atomically
+from convbert_ds.disk_full import full_disk_says
+from convbert_ds.fsutil import write_json_atomically, write_text_atomically
 from convbert_ds.model import (ConvBertForQuestionAnswering, ConvBertForSequenceClassification,
                                ConvBertForTokenClassification)
 from convbert_ds.model.hf_io import read_tokenizer

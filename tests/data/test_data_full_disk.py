@@ -16,7 +16,7 @@ from convbert_ds.data.remote_shards import RemoteTokens, StoreCache, open_bin
 from convbert_ds.data.shards import open_split
 from convbert_ds.formats.checkpoint import directory as tags, store
 from convbert_ds.formats.shard_manifest import read_manifest
-from convbert_ds.fsutil import DiskFull
+from convbert_ds.disk_full import DiskFull
 
 TAG = "step00000010"
 

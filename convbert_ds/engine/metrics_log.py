@@ -27,8 +27,6 @@ import re
 import uuid
 from pathlib import Path
 
-from torch.utils.tensorboard import SummaryWriter
-
 from convbert_ds.formats.train_config import LogSection
 from convbert_ds.fsutil import truncate_jsonl, write_text_atomically
 from convbert_ds.log import get_logger
@@ -69,6 +67,8 @@ class MetricsLog:
                     start_step)
         if self.csv_path is not None:
             _truncate_csv(self.csv_path, start_step)
+        from torch.utils.tensorboard import SummaryWriter  # here: the other ranks never pay its import (0.3 s)
+
         self.writer = SummaryWriter(str(log_dir / "tensorboard"), purge_step=start_step + 1)
         if section.wandb.project is not None:
             self.wandb_run = _start_wandb(section, log_dir, run_config or {})

@@ -48,8 +48,8 @@ from torch import library as torch_ops
 from torch import nn
 
 from convbert_ds.config import ModelConfig
-from convbert_ds.model.sdconv import (cached_reason, largest_difference, probe_once, resolve_impl, same_segment_taps,
-                                      value_and_grads)
+from convbert_ds.model.sdconv import (cached_reason, eager_only, largest_difference, probe_once, resolve_impl,
+                                      same_segment_taps, value_and_grads)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -157,7 +157,7 @@ def _probe_key(device: torch.device, kernel_size: int) -> tuple:
     return device, "document conv", kernel_size
 
 
-@torch.compiler.disable  # the probe builds inputs and runs kernels: a graph break under torch.compile
+@eager_only  # the probe builds inputs and runs kernels: a graph break under torch.compile
 def document_conv_unusable_reason(device: torch.device, kernel_size: int) -> str | None:
     """Why the Triton kernels of this conv cannot run on ``device`` for kernel size ``kernel_size``, or None
     when they can (cached; see ``sdconv.probe_once``). Forward and backward on a small packed input, in fp32

@@ -154,8 +154,13 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 # for SDConv, (device, "document conv", K) for the depthwise conv over packed documents (model/depthwise.py).
 _TRITON_PROBED: dict[tuple, str | None] = {}
 
+# torch.compiler.disable, importing torch._dynamo at the first call instead of at this module's import: an eager
+# run never needs dynamo, and importing it costs each process about 1 s of CPU. The wrapper is torch's own, so a
+# compiled graph breaks at it as at torch.compiler.disable (DeepSpeed's lazy_disable is the same function).
+eager_only = torch._disable_dynamo
 
-@torch.compiler.disable  # runs kernels and prints: eager, once per key, never traced into a compiled graph
+
+@eager_only  # runs kernels and prints: eager, once per key, never traced into a compiled graph
 def probe_once(key: tuple, what: str, compare: Callable[[], float], tolerance: float) -> str | None:
     """Why Triton kernels cannot be used for ``key`` (its first item the device), or None when they can;
     cached per key. ``compare`` runs them and the torch path on a small input and returns the largest
@@ -183,7 +188,7 @@ def largest_difference(results, references) -> float:
                for a, b in zip(results, references))
 
 
-@torch.compiler.disable  # the probe builds inputs and runs kernels: a graph break under torch.compile
+@eager_only  # the probe builds inputs and runs kernels: a graph break under torch.compile
 def triton_unusable_reason(device: torch.device, logits_dtype: torch.dtype, values_dtype: torch.dtype,
                            kernel_size: int, head_dim: int) -> str | None:
     """Why the Triton SDConv kernels cannot run on ``device`` for this layout, or None when they can (cached).

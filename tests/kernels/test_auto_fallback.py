@@ -72,3 +72,17 @@ except RuntimeError as error:
     assert len(warnings) == 1, result.stderr[-3000:]
     assert "cannot run on cpu" in warnings[0] and "RuntimeError" in warnings[0] and "need a GPU" in warnings[0]
     assert "by name: triton_dynamic_conv got CPU tensors" in result.stdout
+
+
+def test_a_probe_inside_a_compiled_function_runs_eagerly():
+    """``sdconv.eager_only`` (the probes' decorator, torch's lazy disable): a compiled caller breaks its graph
+    there and the probe runs as Python, never traced (it runs kernels and prints)."""
+    seen = []
+
+    @sdconv.eager_only
+    def probe(x):
+        seen.append(torch.compiler.is_compiling())
+        return x + 1
+
+    compiled = torch.compile(lambda x: probe(x) * 2, backend="eager")
+    assert compiled(torch.ones(2)).tolist() == [4.0, 4.0] and seen == [False]

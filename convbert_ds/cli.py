@@ -8,8 +8,8 @@ import math
 import sys
 from collections.abc import Callable
 
-from convbert_ds.errors import EXIT_USER_ERROR, UserError
 from convbert_ds.disk_full import disk_full_line, is_disk_full
+from convbert_ds.errors import EXIT_USER_ERROR, UserError
 
 
 def exit_on_user_error(main: Callable[[], int | None], prefix: str = "error") -> int:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from convbert_ds.errors import UserError
 from convbert_ds.disk_full import is_disk_full
+from convbert_ds.errors import UserError
 from convbert_ds.log import EVERY_RANK, get_logger
 
 logger = get_logger(__name__)

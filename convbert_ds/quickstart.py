@@ -36,10 +36,10 @@ from typing import NamedTuple
 from convbert_ds.builtin.aws_api_passages import write_cloud_docs_task
 from convbert_ds.builtin.docstring_questions import write_qa_task
 from convbert_ds.builtin.docstring_summaries import write_pretraining_corpus, write_transfer_task
+from convbert_ds.disk_full import full_disk_says
 from convbert_ds.finetune.margin import Margin, seed_scores
 from convbert_ds.cli import ArgumentParser, bounded, exit_on_user_error
 from convbert_ds.errors import UserError
-from convbert_ds.disk_full import full_disk_says
 from convbert_ds.fsutil import write_text_atomically
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from convbert_ds.cli import ArgumentParser
-from convbert_ds.formats.shard_manifest import read_manifest, shard_prefix, split_entry, write_manifest
 from convbert_ds.disk_full import full_disk_says
+from convbert_ds.formats.shard_manifest import read_manifest, shard_prefix, split_entry, write_manifest
 from convbert_ds.fsutil import FORCE_FLAG, refuse_non_empty
 from preprocessing.encode import SPLITS
 from preprocessing.errors import PreprocessingError, run_cli

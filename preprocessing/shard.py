@@ -48,11 +48,11 @@ from pathlib import Path
 import numpy as np
 
 from convbert_ds.cli import ArgumentParser, bounded
+from convbert_ds.disk_full import full_disk_says
 from convbert_ds.objstore import is_url
 from convbert_ds.formats.shard_manifest import (
     MANIFEST, PROGRESS, SHARD_FILES, ShardManifestError, check_shard_file, read_manifest, shard_prefix, split_entry,
     write_manifest)
-from convbert_ds.disk_full import full_disk_says
 from convbert_ds.fsutil import FORCE_FLAG, write_json_atomically
 from preprocessing.documents import MAX_LINE_CHARS
 from preprocessing.encode import SPLITS, EncodeOptions, EncoderPool, chunk_bytes, work_units

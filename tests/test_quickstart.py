@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
+from convbert_ds.disk_full import DiskFull
 from convbert_ds.errors import UserError
 from convbert_ds.finetune import loop, run, squad, tasks
-from convbert_ds.disk_full import DiskFull
 from convbert_ds.quickstart import KEPT, main
 
 

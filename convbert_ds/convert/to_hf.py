@@ -32,8 +32,8 @@ from convbert_ds.config import ElectraConfig
 from convbert_ds.convert.model_card import PIPELINE_TAGS, RTD_HEAD_FILE, CardFacts, CardLicense, model_card
 from convbert_ds.convert.reader import open_checkpoint, read_state_dict
 from convbert_ds.convert.verify import verify_output
-from convbert_ds.formats.init_dir import ConvertError
 from convbert_ds.disk_full import full_disk_says
+from convbert_ds.formats.init_dir import ConvertError
 from convbert_ds.fsutil import refuse_non_empty, write_dir_atomically
 from convbert_ds.model.hf_io import config_json, write_checksums
 from convbert_ds.model.tied import untie

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from convbert_ds.errors import UserError
 from convbert_ds.disk_full import free_space, is_disk_full
+from convbert_ds.errors import UserError
 from convbert_ds.fsutil import exclusive_lock
 from convbert_ds.log import EVERY_RANK, get_logger
 

@@ -42,9 +42,9 @@ from pathlib import Path
 import numpy as np
 
 from convbert_ds import objstore
+from convbert_ds.disk_full import free_space, full_disk_says, is_disk_full
 from convbert_ds.formats.shard_manifest import MANIFEST, ShardManifestError, read_store_manifest
 from convbert_ds.formats.train_config import DataSection
-from convbert_ds.disk_full import free_space, full_disk_says, is_disk_full
 from convbert_ds.fsutil import write_bytes_atomically
 from convbert_ds.log import EVERY_RANK, get_logger
 

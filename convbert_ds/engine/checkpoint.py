@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from convbert_ds.disk_full import free_space, human_bytes
 from convbert_ds.engine import deepspeed_seam
 from convbert_ds.engine.checkpoint_disk import CheckpointDisk, one_disk
 from convbert_ds.errors import first_line
@@ -55,7 +56,6 @@ from convbert_ds.formats.checkpoint import run_state
 from convbert_ds.formats.checkpoint import store as checkpoint_store
 from convbert_ds.formats.checkpoint.rng import load_rng_file, rng_state, set_rng_state
 from convbert_ds.formats.safe_pickle import check_directory, deepspeed_loads_weights_only
-from convbert_ds.disk_full import free_space, human_bytes
 from convbert_ds.fsutil import write_text_atomically
 from convbert_ds.log import get_logger
 

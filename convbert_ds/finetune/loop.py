@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from convbert_ds.disk_full import full_disk_says
 from convbert_ds.errors import UserError
 from convbert_ds.finetune.batches import Encoded, collate, epoch_batches, eval_batches
 from convbert_ds.finetune.errors import FinetuneError
@@ -37,7 +38,6 @@ from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.tasks import TaskData
 from convbert_ds.formats.checkpoint.rng import rng_state, set_rng_state
 from convbert_ds.formats.safe_pickle import safe_load
-from convbert_ds.disk_full import full_disk_says
 from convbert_ds.fsutil import truncate_jsonl, write_bytes_atomically
 from convbert_ds.log import get_logger
 from convbert_ds.model.optim import layerwise_param_groups, linear_warmup_decay

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from convbert_ds.convert.to_hf import tokenizer_files
+from convbert_ds.disk_full import full_disk_says
 from convbert_ds.engine import distributed
 from convbert_ds.finetune.batches import encode
 from convbert_ds.finetune.errors import FinetuneError
@@ -42,7 +43,6 @@ from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.squad import QATask, windows
 from convbert_ds.finetune.tagging import TaggingTask, TagObjective, encode_tags
 from convbert_ds.finetune.tasks import TaskData
-from convbert_ds.disk_full import full_disk_says
 from convbert_ds.fsutil import write_json_atomically, write_text_atomically
 from convbert_ds.model import (ConvBertForQuestionAnswering, ConvBertForSequenceClassification,
                                ConvBertForTokenClassification)

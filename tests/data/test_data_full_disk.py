@@ -14,9 +14,9 @@ from convbert_ds import objstore
 from convbert_ds.data.cross_document import CrossDocumentDataset
 from convbert_ds.data.remote_shards import RemoteTokens, StoreCache, open_bin
 from convbert_ds.data.shards import open_split
+from convbert_ds.disk_full import DiskFull
 from convbert_ds.formats.checkpoint import directory as tags, store
 from convbert_ds.formats.shard_manifest import read_manifest
-from convbert_ds.disk_full import DiskFull
 
 TAG = "step00000010"
 

@@ -33,10 +33,10 @@ import uuid
 from pathlib import Path
 
 from convbert_ds import objstore
+from convbert_ds.disk_full import full_disk_says
 from convbert_ds.formats.checkpoint import directory as local
 from convbert_ds.formats.checkpoint.directory import (COMPLETE, DAMAGED_TAG, LATEST, UNIVERSAL, CheckpointError,
                                                       is_file_in_tag, is_tag, parse_manifest, read_manifest, step_of)
-from convbert_ds.disk_full import full_disk_says
 from convbert_ds.fsutil import exclusive_lock, write_text_atomically
 from convbert_ds.log import EVERY_RANK, get_logger
 

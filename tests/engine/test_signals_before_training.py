@@ -2,7 +2,7 @@
 one line, with ``EXIT_PREEMPTED`` (a job script requeues on it), whatever it is doing. Here: waiting in the
 rendezvous for peers that never come (in C++, where Python's own handlers do not run: a trainer sent SIGTERM
 there was still waiting 8 minutes later), importing, downloading its shards from a store that does not
-answer (the store's patience is minutes), and compiling its first step."""
+answer (the store's patience is minutes), building its sample index, and compiling its first step."""
 
 import signal
 import subprocess
@@ -87,6 +87,22 @@ def test_a_run_waiting_for_its_store_stops_at_once(tmp_path):
                 break
         assert run.poll() is None, "".join(said)[-3000:]
         stopped_within(run, signal.SIGTERM, 10)
+
+
+def test_a_run_building_its_sample_index_stops_at_once(tiny_corpus, tmp_path):
+    """Packing: the sample index of the training split, built afresh (an empty ``data.cache_dir``) with its
+    progress bar on the terminal; the signal comes once the bar has shown."""
+    run = trainer(tiny_corpus["shards"], tmp_path, f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=16",
+                  RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=free_port())
+    said = ""
+    while "packing shards/train" not in said:  # tqdm ends no line until the bar closes: read as it comes
+        char = run.stdout.read(1)
+        assert char, said[-3000:]
+        said += char
+    stopped_within(run, signal.SIGTERM, 10)
+    cache = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert not [name for name in cache if name.endswith(".samples")], cache  # stopped inside the build
 
 
 def test_a_run_compiling_its_first_step_stops_at_once(tiny_corpus, tmp_path):

@@ -205,3 +205,15 @@ def test_a_manifest_naming_a_file_outside_its_tag_is_refused_before_any_download
         store.local_copy(url)
     _one_line(refused.value)
     assert not list(fuzz_env.rglob("escaped.pt"))
+
+
+def test_a_download_whose_process_died_is_swept_by_the_next_one(mirror, fuzz_env):
+    """A process stopped mid-download (killed, or by a signal before training: it exits at once) leaves its
+    temporary directory; the next download on that disk deletes it, holding the lock no live download lacks."""
+    url = _damaged_copy(mirror, ("add", "unrelated", b""))
+    node = fuzz_env / "node"
+    left = node / f".{NEW}.download-0badf00d"
+    left.mkdir(parents=True)
+    (left / "mp_rank_00_model_states.pt").write_bytes(bytes(100))
+    assert store.fetch_newer(node, url).startswith(f"downloaded checkpoint {NEW}")
+    assert sorted(p.name for p in node.iterdir()) == [".store-download.lock", tags.LATEST, NEW]

@@ -166,6 +166,14 @@ def download_tag(url: str, tag: str, directory: Path) -> tuple[int, float]:
     return received, time.perf_counter() - started
 
 
+def _sweep_downloads(directory: Path, locked: bool) -> None:
+    """Delete the temporary directories of downloads whose process died (killed, or stopped by a signal before
+    training: it exits at once); only while holding the download lock, when no live download can be among them."""
+    if locked:
+        for stale in directory.glob(".step*.download-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def fetch_newer(directory: Path, url: str, verify_mode: str = "checksum") -> str | None:
     """Download the store's newest complete tag into ``directory`` (and point ``latest`` at it) when the
     directory has none as new: a fresh machine, a lost disk. Every process of a node may call it at once:
@@ -176,7 +184,8 @@ def fetch_newer(directory: Path, url: str, verify_mode: str = "checksum") -> str
     does on a disk: one damaged object costs the steps since the older checkpoint, not the run. None intact,
     and none on the disk either, is an error (starting from step 0 would drop the run silently)."""
     directory.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(directory / ".store-download.lock"):
+    with exclusive_lock(directory / ".store-download.lock") as locked:
+        _sweep_downloads(directory, locked)
         remote, here = complete_tags(url)[::-1], local.latest_complete(directory)
         first = latest_complete(url)
         newer = [t for t in remote[remote.index(first):] if here is None or step_of(t) > step_of(here)] \
@@ -218,7 +227,8 @@ def local_copy(url: str, tag: str | None = None) -> tuple[Path, str]:
                               f"{COMPLETE} object); complete tags: {tags or 'none'}")
     directory = objstore.default_cache_dir() / "checkpoints" / root.bucket / root.key
     directory.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(directory / ".store-download.lock"):
+    with exclusive_lock(directory / ".store-download.lock") as locked:
+        _sweep_downloads(directory, locked)
         if not (directory / tag / COMPLETE).is_file():
             shutil.rmtree(directory / tag, ignore_errors=True)
             download_tag(str(root), tag, directory)

@@ -18,6 +18,7 @@ from launch import REPO, TINY_CONFIG, env
 from object_store import S3Server
 
 pytestmark = pytest.mark.slow
+SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1]
 
 
 def trainer(shards, run_dir, *overrides: str, **variables: str) -> subprocess.Popen:
@@ -45,7 +46,7 @@ def stopped_within(process: subprocess.Popen, sig: signal.Signals, seconds: floa
     return output
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", SIGNALS)
 def test_a_rank_waiting_for_its_peers_stops_at_once(sig, tiny_corpus, tmp_path):
     port = free_port()
     rank0 = trainer(tiny_corpus["shards"], tmp_path, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
@@ -60,7 +61,8 @@ def test_a_rank_waiting_for_its_peers_stops_at_once(sig, tiny_corpus, tmp_path):
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").glob("step*"))
 
 
-def test_a_trainer_still_importing_stops_at_once(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_trainer_still_importing_stops_at_once(sig, tiny_corpus, tmp_path):
     """Before ``main`` runs: the module's own first lines take the signals while torch and DeepSpeed import."""
     rank = trainer(tiny_corpus["shards"], tmp_path, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
@@ -68,11 +70,12 @@ def test_a_trainer_still_importing_stops_at_once(tiny_corpus, tmp_path):
     while not _importing_torch(rank.pid):  # torch and DeepSpeed take seconds more
         assert rank.poll() is None and time.monotonic() < deadline, "the trainer never imported torch"
         time.sleep(0.02)
-    output = stopped_within(rank, signal.SIGINT, 10)
+    output = stopped_within(rank, sig, 10)
     assert "KeyboardInterrupt" not in output
 
 
-def test_a_run_waiting_for_its_store_stops_at_once(tmp_path):
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_run_waiting_for_its_store_stops_at_once(sig, tmp_path):
     """The shards' store is down (its port closed): the trainer retries for up to the store's patience, and a
     signal then ends it at once. (Nothing is uploaded: the first request, for the manifest, never answers.)"""
     with S3Server() as server:
@@ -86,10 +89,11 @@ def test_a_run_waiting_for_its_store_stops_at_once(tmp_path):
             if "the store did not answer" in line:
                 break
         assert run.poll() is None, "".join(said)[-3000:]
-        stopped_within(run, signal.SIGTERM, 10)
+        stopped_within(run, sig, 10)
 
 
-def test_a_run_building_its_sample_index_stops_at_once(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_run_building_its_sample_index_stops_at_once(sig, tiny_corpus, tmp_path):
     """Packing: the sample index of the training split, built afresh (an empty ``data.cache_dir``) with its
     progress bar on the terminal; the signal comes once the bar has shown."""
     run = trainer(tiny_corpus["shards"], tmp_path, f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=16",
@@ -100,12 +104,13 @@ def test_a_run_building_its_sample_index_stops_at_once(tiny_corpus, tmp_path):
         char = run.stdout.read(1)
         assert char, said[-3000:]
         said += char
-    stopped_within(run, signal.SIGTERM, 10)
+    stopped_within(run, sig, 10)
     cache = [p.name for p in (tmp_path / "cache").iterdir()]
     assert not [name for name in cache if name.endswith(".samples")], cache  # stopped inside the build
 
 
-def test_a_run_compiling_its_first_step_stops_at_once(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_run_compiling_its_first_step_stops_at_once(sig, tiny_corpus, tmp_path):
     run = trainer(tiny_corpus["shards"], tmp_path, "train.compile=true", "train.compile_mode=step",
                   "checkpoint.interval=1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                   MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
@@ -116,5 +121,5 @@ def test_a_run_compiling_its_first_step_stops_at_once(tiny_corpus, tmp_path):
             break
     assert run.poll() is None, "".join(said)[-3000:]
     time.sleep(5.0)  # into the compile (a tiny step takes about 30 s here)
-    stopped_within(run, signal.SIGUSR1, 10)
+    stopped_within(run, sig, 10)
     assert not any((tmp_path / "checkpoints").glob("step*")), "step 1 never ended: there is nothing to save"

@@ -23,8 +23,9 @@ def exit_on_user_error(main: Callable[[], int | None], prefix: str = "error") ->
     except OSError as error:
         if not is_disk_full(error):
             raise
-        where = error.filename or "a write"
-        print(f"{prefix}: {disk_full_line(where, None)}", file=sys.stderr)
+        said = disk_full_line(error.filename, None) if error.filename else \
+            "a write found no space left on device; free some space (or write elsewhere) and rerun the same command"
+        print(f"{prefix}: {said}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 

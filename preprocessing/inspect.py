@@ -11,6 +11,7 @@ packed into shared samples (``data.pack_documents: true``) and one per sample.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -117,8 +118,9 @@ def _describe(prefixes: list[str], tokenizer, documents: int, seq_lens: list[int
 def inspect_path(path: str, tokenizer_dir: str | None = None, documents: int = 3,
                  seq_lens: tuple[int, ...] = (128, 512)) -> str:
     if is_url(path):
-        manifest = read_store_manifest(path.rstrip("/"))[1]
-        return _describe_directory(path.rstrip("/"), manifest, tokenizer_dir, documents, seq_lens)
+        url = re.sub(r"(?<=[^/:])/+$", "", path)  # trailing slashes off, but not the scheme's ("s3://")
+        manifest = read_store_manifest(url)[1]
+        return _describe_directory(url, manifest, tokenizer_dir, documents, seq_lens)
     p = Path(path)
     if p.suffix in (".bin", ".idx"):
         p = p.with_suffix("")

@@ -142,6 +142,13 @@ def test_the_converter_gets_a_whole_checkpoint_of_a_damaged_mirror_or_one_line(m
 URL_TEXT = st.text(st.sampled_from("ab-._/~%?#:@ \t\n\\é0Z*") | st.characters(), max_size=40)
 
 
+def test_a_url_of_a_scheme_alone_is_named_as_written(fuzz_env):
+    from preprocessing.inspect import inspect_path
+
+    with pytest.raises(UserError, match=r"^s3://: no bucket; write s3://BUCKET/PREFIX$"):
+        inspect_path("s3://")
+
+
 @FUZZ
 @given(text=URL_TEXT, scheme=st.sampled_from(["s3://", "s3://fuzz/", "S3://", "gs://", "", "s3:/"]))
 @example(text="", scheme="s3://")
@@ -150,10 +157,12 @@ URL_TEXT = st.text(st.sampled_from("ab-._/~%?#:@ \t\n\\é0Z*") | st.characters()
 def test_any_store_url_is_read_or_one_line(fuzz_env, text, scheme):
     """Every reader a URL reaches first: the checkpoint mirror's (trainer and converter) and the shards'."""
     from convbert_ds.data.remote_shards import StoreCache, mirror as mirror_shards
+    from preprocessing.inspect import inspect_path
 
     url = scheme + text
     for read in (lambda: store.latest_complete(url), lambda: store.local_copy(url),
-                 lambda: mirror_shards(url, StoreCache.at(None, 1.0)), lambda: objstore.check_writable(url)):
+                 lambda: mirror_shards(url, StoreCache.at(None, 1.0)), lambda: objstore.check_writable(url),
+                 lambda: inspect_path(url)):
         try:
             read()
         except UserError as error:

@@ -14,7 +14,7 @@ from convbert_ds.errors import EXIT_USER_ERROR, UserError
 
 def exit_on_user_error(main: Callable[[], int | None], prefix: str = "error") -> int:
     """Run a CLI's ``main``; a ``UserError`` becomes one line on stderr and exit code 2. So does a full disk
-    that no write site named (``fsutil.full_disk_says`` is the better line: it says what is kept)."""
+    that no write site named (``disk_full.full_disk_says`` is the better line: it says what is kept)."""
     try:
         return main() or 0
     except UserError as error:

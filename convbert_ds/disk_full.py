@@ -12,6 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from convbert_ds.errors import UserError
+from convbert_ds.log import EVERY_RANK, get_logger
+
+logger = get_logger(__name__)
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full filesystem, or the user's quota spent
 # How torch's zip writer (torch.save) reports a write that failed: a RuntimeError, not the OSError beneath it
@@ -47,6 +50,18 @@ def is_disk_full(error: BaseException) -> bool:
     if type(error).__name__ == "SafetensorError":
         return any(int(errno_) in DISK_FULL_ERRNOS for errno_ in _RUST_OS_ERROR.findall(str(error)))
     return isinstance(error, RuntimeError) and any(text in str(error) for text in TORCH_WRITE_FAILED)
+
+
+_warned: set[Path] = set()  # the directories this process has said are full (once each)
+
+
+def warn_once(directory: Path, instead: str) -> None:
+    """For a cache that goes on without its disk: one warning per ``directory`` and process, naming the space
+    free there and what the process does ``instead``."""
+    if directory not in _warned:
+        _warned.add(directory)
+        logger.warning("%s: no space left on device (%s); %s; free some space there, or set data.cache_dir to a "
+                       "disk with room", directory, free_space(directory), instead, extra=EVERY_RANK)
 
 
 def disk_full_line(path, kept: str | None) -> str:

@@ -25,6 +25,8 @@ from convbert_ds.log import EVERY_RANK, get_logger
 logger = get_logger(__name__)
 
 FORCE_FLAG = "--force"  # the one name, across CLIs, for "replace my non-empty output"
+
+
 def fsync_dir(directory: Path) -> None:
     """Make a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
     try:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convbert_ds.disk_full import free_space, is_disk_full
+from convbert_ds.disk_full import is_disk_full, warn_once
 from convbert_ds.errors import UserError
 from convbert_ds.fsutil import exclusive_lock
 from convbert_ds.log import EVERY_RANK, get_logger
@@ -45,7 +45,6 @@ logger = get_logger(__name__)
 
 MAGIC = b"CBDSIDX\x01"
 HEADER_BYTES = 4096
-_full_dirs: set[Path] = set()  # cache directories this process found full (and said so, once each)
 
 
 class CacheFileError(UserError, ValueError):
@@ -195,12 +194,8 @@ def load_or_build(path: Path, key: str, dtype: np.dtype,
 
 def _build_in_memory(path: Path, key: str, dtype: np.dtype, build: Callable[[RecordWriter], dict]) -> CachedIndex:
     """The index ``load_or_build`` found no room to write: built again, into this process's memory."""
-    if path.parent not in _full_dirs:
-        _full_dirs.add(path.parent)
-        logger.warning("%s: no space left on device (%s); this process keeps its sample indexes in memory "
-                       "instead, and builds them again at every start; free some space there, or set "
-                       "data.cache_dir to a disk with room", path.parent, free_space(path.parent),
-                       extra=EVERY_RANK)
+    warn_once(path.parent, "this process keeps its sample indexes in memory instead, and builds them again at "
+                           "every start")
     stream = io.BytesIO()
     meta = build(RecordWriter(stream, dtype))
     records = np.frombuffer(stream.getvalue(), dtype=dtype)  # read-only, as the file's memory map is

@@ -42,18 +42,14 @@ from pathlib import Path
 import numpy as np
 
 from convbert_ds import objstore
-from convbert_ds.disk_full import free_space, full_disk_says, is_disk_full
+from convbert_ds.disk_full import full_disk_says, is_disk_full, warn_once
 from convbert_ds.formats.shard_manifest import MANIFEST, ShardManifestError, read_store_manifest
 from convbert_ds.formats.train_config import DataSection
 from convbert_ds.fsutil import write_bytes_atomically
-from convbert_ds.log import EVERY_RANK, get_logger
-
-logger = get_logger(__name__)
 
 BLOCK_BYTES = 4 << 20
 DEFAULT_LIMIT_GB = DataSection.cache_limit_gb
 _BLOCKS_IN_MEMORY = 4  # per shard and process: a sample's tokens and its neighbours'
-_full_caches: set[Path] = set()  # block caches this process found full (and said so, once each)
 
 
 @dataclass(frozen=True)
@@ -172,13 +168,8 @@ class RemoteTokens:
         except OSError as error:
             if not is_disk_full(error):
                 raise
-            root = self.remote.cache.root
-            if root not in _full_caches:
-                _full_caches.add(root)
-                logger.warning("%s: no space left on device (%s); blocks of shards that find no room there are "
-                               "kept in memory only and fetched again when needed; free some space there, or set "
-                               "data.cache_dir to a disk with room", root / "blocks", free_space(root),
-                               extra=EVERY_RANK)
+            warn_once(self.remote.cache.root / "blocks", "blocks of shards that find no room there are kept in "
+                                                         "memory only and fetched again when needed")
             return
         evict(self.remote.cache, keep=path)
 

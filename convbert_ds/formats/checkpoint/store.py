@@ -116,9 +116,10 @@ def complete_tags(url: str) -> list[str]:
     return sorted((t for t in tags if is_tag(t)), key=step_of)
 
 
-def latest_complete(url: str) -> str | None:
-    """The tag the store's ``latest`` names if it is complete, else its newest complete tag."""
-    tags = complete_tags(url)
+def latest_complete(url: str, tags: list[str] | None = None) -> str | None:
+    """The tag the store's ``latest`` names if it is complete, else its newest complete tag (``tags``: the store's
+    complete tags, when the caller has listed them already)."""
+    tags = complete_tags(url) if tags is None else tags
     try:
         named = objstore.read_bytes(str(objstore.Url.parse(url).join(LATEST))).decode(errors="replace").strip()
     except objstore.StoreNotFound:
@@ -186,15 +187,16 @@ def fetch_newer(directory: Path, url: str, verify_mode: str = "checksum") -> str
     directory.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(directory / ".store-download.lock") as locked:
         _sweep_downloads(directory, locked)
-        remote, here = complete_tags(url)[::-1], local.latest_complete(directory)
-        first = latest_complete(url)
-        newer = [t for t in remote[remote.index(first):] if here is None or step_of(t) > step_of(here)] \
-            if first else []
+        remote, here = complete_tags(url), local.latest_complete(directory)
+        first = latest_complete(url, remote)
+        candidates = remote[:remote.index(first) + 1][::-1] if first else []  # the one latest names, then older
         damaged = []
-        for tag in newer:
+        for tag in (t for t in candidates if here is None or step_of(t) > step_of(here)):
             shutil.rmtree(directory / tag, ignore_errors=True)  # an interrupted save of that step, if any
             try:
                 size, seconds = download_tag(url, tag, directory)
+                # Rank 0 checks it again before loading (choose_resume_tag): a download is rare, and a copy
+                # found damaged only then could no longer be replaced by the store's older tag.
                 problem = local.verify(directory / tag, verify_mode)
             except (objstore.StoreNotFound, CheckpointError) as error:
                 problem = str(error)

@@ -67,7 +67,7 @@ class MetricsLog:
                     start_step)
         if self.csv_path is not None:
             _truncate_csv(self.csv_path, start_step)
-        from torch.utils.tensorboard import SummaryWriter  # here: the other ranks never pay its import (0.3 s)
+        from torch.utils.tensorboard import SummaryWriter  # here: the other ranks never pay its import
 
         self.writer = SummaryWriter(str(log_dir / "tensorboard"), purge_step=start_step + 1)
         if section.wandb.project is not None:

@@ -155,8 +155,10 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 _TRITON_PROBED: dict[tuple, str | None] = {}
 
 # torch.compiler.disable, importing torch._dynamo at the first call instead of at this module's import: an eager
-# run never needs dynamo, and importing it costs each process about 1 s of CPU. The wrapper is torch's own, so a
-# compiled graph breaks at it as at torch.compiler.disable (DeepSpeed's lazy_disable is the same function).
+# run never needs dynamo, and importing it was about half of importing the trainer
+# (benchmarks/RESULTS.md#row-import-time). The wrapper is torch's own, so a compiled graph breaks at it as at
+# torch.compiler.disable (DeepSpeed's lazy_disable is the same function; tests/kernels/test_auto_fallback.py
+# checks the break). It is private: a torch that renamed it would fail this import, in every test.
 eager_only = torch._disable_dynamo
 
 

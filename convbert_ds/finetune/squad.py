@@ -77,8 +77,9 @@ def read_squad(path, version_2: bool) -> list[Question]:
         for p, paragraph in enumerate(_objects(article.get("paragraphs", []), f"{path}: data[{a}].paragraphs")):
             where = f"{path}: data[{a}].paragraphs[{p}]"
             context = paragraph.get("context")
-            if not isinstance(context, str):
-                raise FinetuneError(f"{where}: no context text")
+            if not isinstance(context, str) or not context.strip():
+                raise FinetuneError(f"{where}: no context text; a paragraph's 'context' is the text its questions "
+                                    f"are asked about")
             for question in _objects(paragraph.get("qas", []), f"{where}.qas"):
                 questions.append(_question(question, context, where, version_2))
                 if questions[-1].id in seen:
@@ -108,7 +109,9 @@ def _question(record: dict, context: str, where: str, version_2: bool) -> Questi
     where = f"{where}, question {qid!r}"
     if not isinstance(qid, str) or not isinstance(record.get("question"), str):
         raise FinetuneError(f"{where}: a question needs a string 'id' and 'question'")
-    impossible = bool(record.get("is_impossible", False))
+    impossible = record.get("is_impossible", False)
+    if not isinstance(impossible, bool):  # "false" is a true value to Python
+        raise FinetuneError(f"{where}: is_impossible is {impossible!r}; it is true or false (JSON booleans)")
     if impossible and not version_2:
         raise FinetuneError(f"{where}: is_impossible is a SQuAD v2.0 field; use --task squad_v2")
     answers = [] if impossible else _objects(record.get("answers") or [], f"{where}: answers")
@@ -118,8 +121,13 @@ def _question(record: dict, context: str, where: str, version_2: bool) -> Questi
     spans = []
     for answer in answers:
         text, start = answer.get("text"), answer.get("answer_start")
-        if not isinstance(text, str) or not isinstance(start, int) or context[start:start + len(text)] != text:
-            found = context[start:start + len(text)] if isinstance(start, int) and isinstance(text, str) else None
+        if isinstance(text, str) and not text.strip():
+            raise FinetuneError(f"{where}: answer {text!r} is empty; an answer is a span of the context's words"
+                                + (", or mark the question 'is_impossible': true" if version_2 else ""))
+        # bool is an int to Python, and a negative offset slices from the end: neither is a place in the context
+        offset = isinstance(start, int) and not isinstance(start, bool) and start >= 0
+        if not isinstance(text, str) or not offset or context[start:start + len(text)] != text:
+            found = context[start:start + len(text)] if offset and isinstance(text, str) else None
             raise FinetuneError(f"{where}: answer {text!r} is not at answer_start={start!r} in the context "
                                 f"(there: {found!r}); fix the offset")
         spans.append((text, start))
@@ -181,7 +189,7 @@ def _label(offsets: list, answers: list[tuple[str, int]]) -> tuple[int, int]:
     text, start = answers[0]
     end = start + len(text)
     inside = [t for t, o in enumerate(offsets) if o is not None]
-    if offsets[inside[0]][0] > start or offsets[inside[-1]][1] < end:
+    if not inside or offsets[inside[0]][0] > start or offsets[inside[-1]][1] < end:
         return 0, 0  # the answer is not (wholly) in this window's piece of the context
     first = next(t for t in inside if offsets[t][1] > start)
     last = next(t for t in reversed(inside) if offsets[t][0] < end)

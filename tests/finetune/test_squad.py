@@ -42,8 +42,19 @@ def _one(context: str, **qa) -> dict:
      r"question 'q1': answers: expected a list of objects, got dict"),
     (_one("Paris is big.", answers=["Paris"]), False, r"question 'q1': answers: expected a list of objects, got a "
                                                       r"list holding str"),
+    (_one(" \n", answers=[{"text": " ", "answer_start": 0}]), False, r"data\[0\].paragraphs\[0\]: no context text"),
+    (_one("Paris is big.", answers=[{"text": " ", "answer_start": 5}]), True,
+     r"question 'q1': answer ' ' is empty; an answer is a span of the context's words, or mark the question "
+     r"'is_impossible': true"),
+    (_one("Paris is big.", answers=[{"text": "a", "answer_start": True}]), False,
+     r"answer 'a' is not at answer_start=True in the context \(there: None\)"),
+    (_one("Paris is big.", answers=[{"text": ".", "answer_start": -1}]), False,
+     r"answer '.' is not at answer_start=-1 in the context \(there: None\)"),
+    (_one("Paris is big.", answers=[], is_impossible="false"), True,
+     r"question 'q1': is_impossible is 'false'; it is true or false \(JSON booleans\)"),
 ], ids=["offset", "no-answer", "impossible-in-v1", "no-data", "data-dict", "data-of-lists", "paragraphs-text",
-        "qas-dict", "answers-dict", "answers-of-strings"])
+        "qas-dict", "answers-dict", "answers-of-strings", "blank-context", "blank-answer", "bool-offset",
+        "negative-offset", "impossible-as-text"])
 def test_bad_squad_files_are_one_line_naming_the_file_and_the_record(tmp_path, squad, version_2, says):
     path = write(tmp_path / "dev.json", squad)
     with pytest.raises(UserError, match=says) as caught:
@@ -106,6 +117,17 @@ def test_long_contexts_become_windows_whose_labels_are_the_answer_and_decode_bac
     report, final, threshold = score(task, questions, decode(questions, data, starts, ends))
     assert report["exact"] == report["f1"] == 100.0, report
     assert all(final[q.id] == (q.answers[0][0] if q.answers else "") for q in questions)
+
+
+def test_a_context_the_tokenizer_reads_as_nothing_is_a_window_without_an_answer(tmp_path, tokenizer):
+    """A zero-width space or a byte-order mark is text to the reader and no token to the tokenizer: the window
+    has no context token, so its label is [CLS] and decoding answers "", where it was an IndexError."""
+    path = write(tmp_path / "train.json", _one("\u200b\ufeff", answers=[{"text": "\u200b", "answer_start": 0}]))
+    questions = read_squad(path, version_2=False)
+    data = windows(tokenizer, questions, max_seq_length=64, doc_stride=16)
+    assert data.labels == [(0, 0)] and not any(data.offsets[0])
+    scores = [[1.0] * len(data.input_ids[0])]
+    assert decode(questions, data, scores, scores).predictions == {"q1": ""}
 
 
 # --- fine-tuning ---------------------------------------------------------------------------------------------

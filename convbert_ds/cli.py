@@ -4,23 +4,36 @@ numeric option declared at the parser (``bounded``), and ``exit_on_user_error`` 
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import sys
 from collections.abc import Callable
 
-from convbert_ds.disk_full import disk_full_line, is_disk_full
+from convbert_ds.disk_full import disk_full_line, is_disk_full, why_no_directory
 from convbert_ds.errors import EXIT_USER_ERROR, UserError
+
+
+PATH_REFUSED = (errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def exit_on_user_error(main: Callable[[], int | None], prefix: str = "error") -> int:
     """Run a CLI's ``main``; a ``UserError`` becomes one line on stderr and exit code 2. So does a full disk
-    that no write site named (``disk_full.full_disk_says`` is the better line: it says what is kept)."""
+    that no write site named (``disk_full.full_disk_says`` is the better line: it says what is kept), and a
+    path the disk refused (a file where a directory goes, a read-only mount, no permission)."""
     try:
         return main() or 0
     except UserError as error:
         print(f"{prefix}: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except OSError as error:
+        if error.errno in PATH_REFUSED and error.filename:
+            # a path no check named: a file in the way, a read-only disk, another user's directory
+            said = error.strerror
+            if error.errno in (errno.ENOTDIR, errno.EEXIST):  # a file where a directory goes: say which
+                said = why_no_directory(error.filename) or said
+            print(f"{prefix}: {error.filename}: {said}; use another path (or fix its permissions) and rerun",
+                  file=sys.stderr)
+            return EXIT_USER_ERROR
         if not is_disk_full(error):
             raise
         said = disk_full_line(error.filename, None) if error.filename else \

@@ -1,10 +1,12 @@
 """A full disk, said in one line: how every write site recognises one (an ``OSError``, or the errors torch's and
 safetensors' writers raise over it) and what the line says (the path, the space free there, what is kept and
-the fix). Below ``fsutil``, ``objstore`` and ``cli``, which all use it."""
+the fix). Also the other ways a disk refuses an output directory (a file in the way, a read-only mount), checked
+before work starts. Below ``fsutil``, ``objstore`` and ``cli``, which all use it."""
 
 from __future__ import annotations
 
 import errno
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -80,3 +82,25 @@ def full_disk_says(path, kept: str) -> Iterator[None]:
         if not is_disk_full(error):
             raise
         raise DiskFull(disk_full_line(path, kept)) from error
+
+
+def why_no_directory(path) -> str | None:
+    """Why ``path`` cannot be (or become) a directory this process writes in, said for a one-line error; None
+    when it can. Checked before a run starts, so that ``mkdir`` deep inside it never meets a file there."""
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        return "is a file, not a directory"
+    existing = path
+    while not existing.exists():
+        if existing.is_symlink():
+            return f"cannot be made: {existing} is a link to nothing ({os.readlink(existing)})"
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot be made: {existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):  # a read-only mount says so even to root
+        return f"cannot be written: {existing} is {'read-only' if _read_only(existing) else 'not writable by this user'}"
+    return None
+
+
+def _read_only(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)

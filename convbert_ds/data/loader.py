@@ -44,8 +44,12 @@ def parse_sets(sets) -> list[tuple[Path | str, float]]:
         if isinstance(entry, (str, os.PathLike)):
             path, weight = entry, 1.0
         elif isinstance(entry, Mapping):
-            if "path" not in entry:
-                raise ConfigError(f"data.sets[{i}] has no 'path'; write it as {{path: SHARD_DIR, weight: 1.0}}")
+            unknown = sorted(str(key) for key in entry if key not in ("path", "weight"))
+            if unknown or "path" not in entry:
+                # {path:DIR} is one key "path:DIR" to YAML, and a misspelt weight would silently be 1.0
+                what = f"unknown key(s) {', '.join(map(repr, unknown))}" if unknown else "no 'path'"
+                spaced = " (YAML needs a space after each ':')" if any(":" in key for key in unknown) else ""
+                raise ConfigError(f"data.sets[{i}] has {what}{spaced}; write it as {{path: SHARD_DIR, weight: 1.0}}")
             path, weight = entry["path"], entry.get("weight", 1.0)
         elif isinstance(entry, tuple) and len(entry) == 2:
             path, weight = entry

@@ -136,6 +136,17 @@ def test_bad_weights(shard_dir):
     _expect(ValueError, r"data\.sets\[0\] has no 'path'", [{"weight": 1.0}])
 
 
+def test_a_set_written_without_spaces_or_with_a_misspelt_key_is_refused(shard_dir):
+    """As typed on a command line: ``{path:DIR}`` is one YAML key, and ``wieght: 2`` would train at weight 1."""
+    from convbert_ds.formats.train_config import parse_overrides
+
+    unspaced = parse_overrides([f"data.sets=[{{path:'{shard_dir}',weight:2.0}}]"])["data"]["sets"]
+    _expect(ValueError, r"data\.sets\[0\] has unknown key\(s\) \"path:.*\", 'weight:2\.0' \(YAML needs a space after each ':'\); "
+                        r"write it as \{path: SHARD_DIR, weight: 1\.0\}", unspaced)
+    _expect(ValueError, r"data\.sets\[0\] has unknown key\(s\) 'wieght'; write it as",
+            [{"path": shard_dir, "wieght": 2.0}])
+
+
 def test_sets_as_the_plan_parsed_them_read_the_same(shard_dir):
     """The trainer hands the loader ``parse_sets``'s own output: parsing it again changes nothing."""
     raw = [{"path": str(shard_dir), "weight": 2.0}, shard_dir]

@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from convbert_ds.finetune.errors import FinetuneError
+from convbert_ds.finetune.errors import FinetuneError, utf8_text
 from convbert_ds.finetune.squad_metric import answers_nothing, squad_v1, squad_v2
 from convbert_ds.fsutil import write_dir_atomically
 
@@ -68,8 +68,8 @@ def read_squad(path, version_2: bool) -> list[Question]:
     if not path.is_file():
         raise FinetuneError(f"{path}: no such file; pass the SQuAD JSON (train-v1.1.json, dev-v2.0.json, ...)")
     try:
-        articles = json.loads(path.read_text(encoding="utf-8"))["data"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+        articles = json.loads(utf8_text(path))["data"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
         raise FinetuneError(f"{path}: not a SQuAD JSON file ({type(error).__name__}: {error}); it needs "
                             f"{SQUAD_SHAPE}") from None
     questions, seen = [], set()

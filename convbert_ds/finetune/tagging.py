@@ -28,7 +28,7 @@ import torch
 
 from convbert_ds.finetune.batches import IGNORED_LABEL as IGNORED  # later sub-tokens, special tokens, padding
 from convbert_ds.finetune.batches import collate, eval_batches
-from convbert_ds.finetune.errors import FinetuneError
+from convbert_ds.finetune.errors import FinetuneError, utf8_text
 from convbert_ds.finetune.loop import autocast
 
 TAGGING_TASKS = ("conll", "tokens")
@@ -57,7 +57,7 @@ def read_conll(path) -> list[Sentence]:
         raise FinetuneError(f"{path}: no such file; pass a CoNLL-style file (a token and its tag a line)")
     sentences, words, tags = [], [], []
     # Decoded whole first, so that a byte of another encoding is named by its line (not a traceback).
-    for number, line in enumerate(_utf8_text(path).split("\n"), 1):
+    for number, line in enumerate(utf8_text(path).split("\n"), 1):
         columns = line.split()
         if not columns or columns[0] == "-DOCSTART-":
             if words:
@@ -74,18 +74,6 @@ def read_conll(path) -> list[Sentence]:
     if not sentences:
         raise FinetuneError(f"{path}: holds no sentences")
     return sentences
-
-
-def _utf8_text(path: Path) -> str:
-    """The file as text (UTF-8, a byte-order mark allowed); another encoding is one line naming the line."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise FinetuneError(f"{path}:{line}: not UTF-8 (byte 0x{data[error.start]:02x}); convert the file first, "
-                            f"e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix} (name "
-                            "its real encoding)") from None
 
 
 def label_set(train: list[Sentence], evals: dict[str, list[Sentence]], train_path) -> list[str]:

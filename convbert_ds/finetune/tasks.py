@@ -8,6 +8,7 @@ strict because a wrong column or a stray label silently ruins a fine-tuning run:
 from __future__ import annotations
 
 import csv
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value, load_dataset, load_from_disk
 from datasets.exceptions import DatasetGenerationError
 
-from convbert_ds.finetune.errors import FinetuneError
+from convbert_ds.finetune.errors import FinetuneError, utf8_text
 from convbert_ds.formats.task_names import GLUE_TASKS, TASK_TYPES
 from convbert_ds.log import get_logger
 
@@ -139,8 +140,8 @@ def _read_glue_file(path: Path, spec: _GlueSpec) -> tuple[list[Example], int]:
     fix = f"use the unmodified {path.name} of GLUE {spec.title} from the official GLUE download"
     if path.stat().st_size == 0:
         raise FinetuneError(f"{path}: the file is empty; {fix}")
-    # utf-8-sig: MRPC's files are derived from Microsoft's, which start with a byte-order mark.
-    with path.open(encoding="utf-8-sig", newline="") as handle:
+    # utf8_text allows a byte-order mark: MRPC's files are derived from Microsoft's, which start with one.
+    with io.StringIO(utf8_text(path), newline="") as handle:
         rows = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
         header = list(spec.header) if spec.header else next(rows, [])
         text, text_pair, label = _glue_columns(path, header, spec, fix)
@@ -293,6 +294,7 @@ def _load(flag: str, path: Path, fmt: str) -> Dataset:
         return _load_saved(flag, path)
     try:
         if fmt == "json":
+            utf8_text(path)  # datasets keeps another encoding's bytes as text, to fail when a row is read
             return load_dataset("json", data_files=str(path), split="train")
         delimiter = "\t" if fmt == "tsv" else ","
         features = Features({name: Value("string") for name in _delimited_header(flag, path, delimiter)})
@@ -309,7 +311,7 @@ def _load(flag: str, path: Path, fmt: str) -> Dataset:
 def _delimited_header(flag: str, path: Path, delimiter: str) -> list[str]:
     """The column names of a CSV/TSV file; also catches a file with a header and no rows,
     which ``datasets`` would only report as an obscure "corresponds to no data"."""
-    with path.open(encoding="utf-8-sig", newline="") as handle:
+    with io.StringIO(utf8_text(path), newline="") as handle:
         rows = csv.reader(handle, delimiter=delimiter)
         header = next(rows, [])
         if not any(rows):

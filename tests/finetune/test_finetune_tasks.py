@@ -306,6 +306,16 @@ def test_empty_glue_file(tmp_path):
     assert_one_line(error, str(root / "train.tsv"), "the file is empty")
 
 
+def test_a_glue_file_in_another_encoding_names_the_line(tmp_path):
+    root = write_glue(tmp_path, "rte")
+    text = (root / "dev.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
+    (root / "dev.tsv").write_bytes("".join(text[:2]).encode() + "Café au lait.\tIt is coffee.\tentailment\n"
+                                   .encode("latin-1"))
+    with pytest.raises(FinetuneError) as error:
+        read_glue("rte", root)
+    assert_one_line(error, f"{root / 'dev.tsv'}:3: not UTF-8 (byte 0xe9); convert the file first, e.g. iconv")
+
+
 # ---------------------------------------------------------------------------------------------
 # Custom tasks
 
@@ -441,6 +451,14 @@ def test_custom_regression_needs_numbers(tmp_path):
 def test_custom_empty_text_or_label(tmp_path, records, expected):
     path = write_jsonl(tmp_path / "train.jsonl", records)
     assert_one_line(custom_error(tmp_path, path), f"--train {path}", expected)
+
+
+@pytest.mark.parametrize("name, text", [("train.csv", "text,label\nNaïve,1\n"),
+                                        ("train.jsonl", '{"text": "Fine.", "label": 0}\n{"text": "Naïve", "label": 1}\n')])
+def test_a_custom_file_in_another_encoding_names_the_line(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_bytes(text.encode("cp1252"))
+    assert_one_line(custom_error(tmp_path, path), f"{path}:2: not UTF-8 (byte 0xef)")
 
 
 def test_custom_unparseable_file(tmp_path):

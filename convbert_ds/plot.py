@@ -20,10 +20,31 @@ PANELS = (("loss", "total loss"), ("mlm_loss", "generator MLM loss"), ("rtd_loss
 
 
 def read_metrics(log_dir: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl``; a line that is not one (a run killed mid-write leaves a torn last line;
+    an edit, anything) is skipped with one warning: a plot of what is readable beats none."""
     path = log_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{path} not found: pass the run's log.dir (it holds metrics.jsonl)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, skipped = [], []
+    for number, line in enumerate(path.read_bytes().decode("utf-8", errors="replace").splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and _number(row.get("step")):
+            rows.append(row)
+        elif line.strip():
+            skipped.append(number)
+    if skipped:
+        print(f"warning: {path}: skipped {len(skipped)} line(s) that are not metrics rows (line {skipped[0]}"
+              f"{' and others' if len(skipped) > 1 else ''})", file=sys.stderr)
+    if not rows:
+        raise UserError(f"{path} holds no metrics rows: pass the log.dir of a run that has logged a step")
+    return rows
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def plot(log_dir: Path, out: Path) -> Path:
@@ -33,14 +54,14 @@ def plot(log_dir: Path, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(log_dir)
-    downstream = [r for r in rows if r.get("split") == "downstream" and r.get("score") is not None]
+    downstream = [r for r in rows if r.get("split") == "downstream" and _number(r.get("score"))]
     fig, axes = plt.subplots(2, 3 if downstream else 2, figsize=(16 if downstream else 11, 7))
     if downstream:
         _plot_downstream(axes[0, 2], downstream)
         axes[1, 2].axis("off")
     for ax, (key, title) in zip([a for a in axes.flat if not a.has_data() and a.axison], PANELS):
         for split, style in (("train", "-"), ("valid", "o-")):
-            points = [(r["step"], r[key]) for r in rows if r.get("split") == split and r.get(key) is not None]
+            points = [(r["step"], r[key]) for r in rows if r.get("split") == split and _number(r.get(key))]
             if points:
                 ax.plot(*zip(*points), style, label=split, markersize=4)
         ax.set_title(title)
@@ -58,7 +79,7 @@ def _plot_downstream(ax, rows: list[dict]) -> None:
     """The probe's score per checkpoint, against the random-init baseline: does pretraining transfer?"""
     rows = sorted(rows, key=lambda r: r["step"])
     ax.plot([r["step"] for r in rows], [r["score"] for r in rows], "o-", label="pretrained", markersize=4)
-    baseline = next((r["random_init"] for r in rows if r.get("random_init") is not None), None)
+    baseline = next((r["random_init"] for r in rows if _number(r.get("random_init"))), None)
     if baseline is not None:
         ax.axhline(baseline, color="gray", linestyle="--", label="random init")
     ax.set_title("downstream score (fine-tuned)")

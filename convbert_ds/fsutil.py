@@ -39,12 +39,16 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def read_json(path, error: type[Exception], fix: str):
-    """A UTF-8 JSON file's value; one that does not parse raises ``error`` naming the file, why, and ``fix``."""
+def read_json(path, error: type[Exception], fix: str, needs: tuple[str, ...] = ()):
+    """A UTF-8 JSON file's value; one that does not parse raises ``error`` naming the file, why, and ``fix``.
+    With ``needs``, the value must be an object holding those keys (a record this project wrote, read back)."""
     try:
-        return json.loads(Path(path).read_bytes().decode("utf-8"))
+        value = json.loads(Path(path).read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as reason:
         raise error(f"{path}: not valid JSON ({reason}); {fix}") from None
+    if needs and not (isinstance(value, dict) and all(key in value for key in needs)):
+        raise error(f"{path}: not the record expected there (an object with {', '.join(needs)}); {fix}")
+    return value
 
 
 def write_bytes_atomically(path, data: bytes) -> None:

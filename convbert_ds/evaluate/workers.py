@@ -7,7 +7,6 @@ again by the next call; one that was cut resumes through fine-tuning's own state
 from __future__ import annotations
 
 import ctypes
-import json
 import multiprocessing
 import os
 import signal
@@ -21,7 +20,9 @@ from functools import lru_cache
 
 from convbert_ds.errors import UserError
 from convbert_ds.evaluate.plan import Job, TaskSource
+from convbert_ds.finetune.errors import FinetuneError
 from convbert_ds.finetune.run import RunSpec, run
+from convbert_ds.fsutil import read_json
 from convbert_ds.log import get_logger
 
 log = get_logger(__name__)
@@ -122,6 +123,7 @@ def _run(job: Job) -> Outcome:
         try:
             run(RunSpec(_task(job.task), str(job.model), job.out, job.recipe, job.random_init, command))
         except UserError as error:
+            print(f"error: {error}")  # into the log, which the evaluation's last line points to
             return Outcome(job, None, str(error))
         except Exception:  # noqa: BLE001 - the traceback goes to the job's log; the evaluation goes on
             traceback.print_exc()
@@ -131,4 +133,8 @@ def _run(job: Job) -> Outcome:
 
 def final(job: Job) -> dict:
     """The finished job's metrics: {split: metrics} of its one seed."""
-    return json.loads(job.results.read_text())["seeds"][0]["final"]
+    fix = f"delete it and rerun the same command: job {job.name} runs again"
+    try:
+        return read_json(job.results, FinetuneError, fix, needs=("seeds",))["seeds"][0]["final"]
+    except (IndexError, KeyError, TypeError):
+        raise FinetuneError(f"{job.results}: its first seed has no final metrics; {fix}") from None

@@ -9,11 +9,13 @@ which there is one.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+from convbert_ds.finetune.errors import FinetuneError
+from convbert_ds.fsutil import read_json
 
 BOOTSTRAP_DRAWS = 10_000
 # Below this many seeds a side, resampling them says little (2 seeds give 3 possible medians): no interval.
@@ -22,8 +24,13 @@ MIN_SEEDS_FOR_INTERVAL = 5
 
 def seed_scores(results_dir: Path, metric: str, scale: float = 1.0) -> list[float]:
     """The final validation ``metric`` of every seed in ``results_dir/results.json``, times ``scale``."""
-    results = json.loads((Path(results_dir) / "results.json").read_text())
-    return [scale * seed["final"]["validation"][metric] for seed in results["seeds"]]
+    path = Path(results_dir) / "results.json"
+    fix = "delete it and rerun the same command: that fine-tuning is summarised again"
+    try:
+        return [scale * seed["final"]["validation"][metric]
+                for seed in read_json(path, FinetuneError, fix, needs=("seeds",))["seeds"]]
+    except (KeyError, TypeError):
+        raise FinetuneError(f"{path}: a seed has no final validation {metric}; {fix}") from None
 
 
 def bootstrap_interval(pretrained: list[float], random_init: list[float], level: float = 0.95,

@@ -43,7 +43,7 @@ from convbert_ds.finetune.recipe import Recipe
 from convbert_ds.finetune.squad import QATask, windows
 from convbert_ds.finetune.tagging import TaggingTask, TagObjective, encode_tags
 from convbert_ds.finetune.tasks import TaskData
-from convbert_ds.fsutil import write_json_atomically, write_text_atomically
+from convbert_ds.fsutil import FORCE_FLAG, read_json, write_json_atomically, write_text_atomically
 from convbert_ds.model import (ConvBertForQuestionAnswering, ConvBertForSequenceClassification,
                                ConvBertForTokenClassification)
 from convbert_ds.model.hf_io import read_tokenizer
@@ -110,7 +110,8 @@ def check_resume(path: Path, settings: dict, what: str = "a run") -> None:
     """A rerun resumes only what the same settings started: ``path`` (run.json, evaluation.json) holds them,
     and is written when it is not there yet."""
     if path.is_file():
-        before = json.loads(path.read_text())
+        before = read_json(path, FinetuneError, f"delete it to go on with this command's settings, or pass "
+                                                f"{FORCE_FLAG} to start over in --out", needs=("model",))
         changed = sorted(k for k in settings if before.get(k) != settings[k])
         if changed:
             raise FinetuneError(f"--out {path.parent} holds {what} with different {', '.join(changed)}; use another "
@@ -212,7 +213,8 @@ def run(spec: RunSpec) -> dict | None:
     for seed in range(recipe.first_seed, recipe.first_seed + recipe.seeds):
         done = out / SEEDS_DIR / f"seed{seed}.json"
         if done.is_file():
-            finished.append(json.loads(done.read_text()))
+            finished.append(read_json(done, FinetuneError, f"delete it and rerun the same command: seed {seed} is "
+                                                           "fine-tuned again", needs=("seed", "final")))
             continue
         model = initial_model(source, head, recipe.dropout, seed, spec.random_init)
         if isinstance(objective, SpanObjective):

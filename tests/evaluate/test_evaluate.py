@@ -177,3 +177,49 @@ def test_an_array_job_shares_the_jobs_and_a_resubmission_writes_the_whole_table(
     assert summary["unfinished_elsewhere"] == [] and set(summary["rows"]["pretrained"]["tasks"]) == \
         {"rte", "mrpc", "cola", "stsb"}
 
+
+
+@pytest.mark.parametrize("damaged, content, says", [
+    ("evaluation.json", "{\"model\": ", "not valid JSON (Expecting value: line 1 column 11 (char 10)); delete it to go "
+                                        "on with this command's settings, or pass --force to start over in --out"),
+    ("jobs/rte-pretrained-seed0/results.json", "[1, 2]", "not the record expected there (an object with seeds); "
+                                                         "delete it and rerun the same command: job "
+                                                         "rte-pretrained-seed0 runs again"),
+    ("jobs/rte-pretrained-seed0/results.json", '{"seeds": []}', "its first seed has no final metrics; delete it and "
+                                                                "rerun the same command: job rte-pretrained-seed0 "
+                                                                "runs again"),
+], ids=["evaluation-torn", "results-not-a-record", "results-without-seeds"])
+def test_a_damaged_record_in_out_is_one_line_before_any_job_runs(model, glue, tmp_path, capsys, damaged, content,
+                                                                   says):
+    from convbert_ds.evaluate.__main__ import main
+
+    out = tmp_path / "eval"
+    (out / damaged).parent.mkdir(parents=True)
+    (out / damaged).write_text(content)
+    assert main(["glue", "--tasks", "rte", "--seeds", "1", "--model", str(model), "--glue-dir", str(glue),
+                 "--out", str(out), *FAST]) == 2
+    assert capsys.readouterr().err.strip() == f"evaluate error: {out / damaged}: {says}"
+    assert not (out / "jobs" / "rte-pretrained-seed0" / "log.txt").exists()  # no job started
+
+
+def test_a_damaged_seed_record_of_a_fine_tuning_is_one_line_and_deleted_it_runs_again(model, glue, tmp_path, capsys):
+    """A finished seed's seeds/seedN.json (and run.json) read back on a rerun: damaged, one line naming it."""
+    from convbert_ds.finetune.__main__ import main
+
+    out = tmp_path / "rte"
+    args = ["--model", str(model), "--glue-task", "rte", "--data-dir", str(glue / "RTE"), "--out", str(out),
+            "--seeds", "1", *FAST]
+    assert main(args) == 0
+    seed = out / "seeds" / "seed0.json"
+    final = json.loads(seed.read_text())["final"]
+    seed.write_text('{"seed": 0}')
+    capsys.readouterr()
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"finetune error: {seed}: not the record expected there (an object with seed, final); delete it and rerun "
+        "the same command: seed 0 is fine-tuned again")
+    (out / "run.json").write_text("\xff")
+    assert main(args) == 2 and f"finetune error: {out / 'run.json'}: not valid JSON" in capsys.readouterr().err
+    (out / "run.json").unlink()
+    seed.unlink()
+    assert main(args) == 0 and json.loads(seed.read_text())["final"] == final  # the same seed, trained again

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from convbert_ds.errors import UserError
 from convbert_ds.finetune.margin import Margin, bootstrap_interval, seed_scores
 
 
@@ -40,5 +41,14 @@ def test_scores_are_read_per_seed_and_reported(tmp_path):
     enough = Margin("cloud", "accuracy x 100", [70.0, 71.0, 72.0, 73.0, 74.0], [60.0, 62.0, 64.0, 66.0, 68.0])
     assert enough.as_dict()["interval95"] == list(enough.interval)
     assert f"95% interval {enough.interval[0]:+.1f} to {enough.interval[1]:+.1f}" in enough.report()
-    with pytest.raises(KeyError):
-        seed_scores(tmp_path, "f1")
+    with pytest.raises(UserError, match="results.json: a seed has no final validation f1; delete it and rerun"):
+        seed_scores(tmp_path, "f1")  # results of another task: one line, not a KeyError
+
+
+def test_a_torn_results_file_is_one_line(tmp_path):
+    (tmp_path / "results.json").write_text('{"seeds": [{"final": {"valid')
+    with pytest.raises(UserError) as caught:
+        seed_scores(tmp_path, "accuracy")
+    assert str(caught.value) == (f"{tmp_path / 'results.json'}: not valid JSON (Unterminated string starting at: "
+                                 "line 1 column 23 (char 22)); delete it and rerun the same command: that "
+                                 "fine-tuning is summarised again")

@@ -90,8 +90,9 @@ def _run(argv: list[str] | None, preemption: Preemption) -> int:
     # DeepSpeed calls torch.distributed APIs that torch marks deprecated, once per step.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     restore = distributed.saved_torch_vars()  # put back when nothing starts (a caller in this process)
-    launcher, where = distributed.discover(), ""
+    where = ""
     try:
+        launcher = distributed.discover()  # the rank variables, checked
         args = parse_args(argv)
         world_size = args.world_size or distributed.world_size()
         where = f" ({world_size} processes)" if args.check_config else ""
@@ -101,8 +102,10 @@ def _run(argv: list[str] | None, preemption: Preemption) -> int:
         elif not args.print_config:
             plan = prepare(plan)  # a run's downloads, checksums and opened splits; a check writes nothing
     except UserError as error:
-        # Before any process group: every rank has the same one line, rank 0's is enough.
-        log.error(f"config error{where}: {error}")
+        # Before any process group: every rank has the same one line, rank 0's is enough; a rank variable may
+        # be wrong on one rank alone, so there each rank says its own.
+        launch = isinstance(error, distributed.LaunchError)
+        log.error(f"config error{where}: {error}", extra=EVERY_RANK if launch else None)
         restore()
         return EXIT_USER_ERROR
     cfg = plan.cfg

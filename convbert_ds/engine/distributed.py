@@ -27,6 +27,8 @@ from typing import NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
+from convbert_ds.errors import UserError
+
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 FAILED_RANK_GRACE_S = 5.0  # see exit_process
 _MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -120,7 +122,47 @@ def discover() -> str:
         launcher = "single"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", free_port() if os.environ["WORLD_SIZE"] == "1" else "29500")
+    _check_launch_vars()
     return launcher
+
+
+class LaunchError(UserError):
+    """A rank variable the launcher (or the user) set that no rendezvous can work with."""
+
+
+LAUNCH_FIX = "the launcher sets them (deepspeed, torchrun, srun, mpirun); unset them to run one process"
+HOST_LOOKUPS = 3  # tries, 2 s apart: a cluster's name service may answer late as a job starts
+
+
+def _check_launch_vars() -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT and (with peers) MASTER_ADDR, checked before any rendezvous:
+    a non-number fails deep inside torch, and a rank outside the world or a host that does not exist waits
+    for peers that never come."""
+    def integer(name: str, low: int, high: int | None = None) -> int:
+        value = os.environ[name]
+        if not re.fullmatch(r"\d+", value) or int(value) < low or (high is not None and int(value) > high):
+            bounds = f">= {low}" if high is None else f"from {low} to {high}"
+            raise LaunchError(f"{name}={value!r}: not an integer {bounds}; {LAUNCH_FIX}")
+        return int(value)
+
+    world, rank = integer("WORLD_SIZE", 1), integer("RANK", 0)
+    integer("LOCAL_RANK", 0)
+    port = integer("MASTER_PORT", 1, 65535)
+    if rank >= world:
+        raise LaunchError(f"RANK={rank} with WORLD_SIZE={world}: ranks go from 0 to {world - 1}; {LAUNCH_FIX}")
+    if world == 1:
+        return
+    host = os.environ["MASTER_ADDR"]
+    for attempt in range(HOST_LOOKUPS):
+        try:
+            socket.getaddrinfo(host, port)
+            return
+        except (socket.gaierror, UnicodeError) as error:
+            reason = getattr(error, "strerror", None) or str(error)
+            if attempt + 1 < HOST_LOOKUPS:
+                time.sleep(2)
+    raise LaunchError(f"MASTER_ADDR={host!r}: no such host ({reason}); set it to rank 0's host name or address, "
+                      "which every rank can resolve")
 
 
 def world_size() -> int:

@@ -169,8 +169,7 @@ def _run(argv: list[str] | None, preemption: Preemption) -> int:
     if code == 0:
         where = trainer.ckpt_dir if trainer.disk.shared else cfg.checkpoint.mirror  # node-local: whole only there
         log.info(f"done: {trainer.step} steps; checkpoints in {where}; logs in {cfg.log_dir}")
-    dist.barrier()
-    dist.destroy_process_group()
+    distributed.leave_together()
     return code
 
 

@@ -31,6 +31,7 @@ from convbert_ds.errors import UserError
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 FAILED_RANK_GRACE_S = 5.0  # see exit_process
+_left_together = False  # set by leave_together: every rank is past rank 0's last line
 _MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
 
@@ -191,6 +192,8 @@ def init_process_group(backend: str | None = None) -> str:
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    global _left_together
+    _left_together = False  # a new group (a caller in this process that runs again): not left yet
     return backend
 
 
@@ -283,6 +286,23 @@ def lost_peer(error: BaseException) -> str | None:
             "torchrun, the run resumes on the nodes left from its newest complete checkpoint)")
 
 
+def leave_together() -> None:
+    """End the process group once every rank has said its last line: stdio flushed, then a barrier. Past it
+    no rank has anything left to lose, so ``exit_process`` needs no grace: a preempted rank that lingered
+    would spend the seconds the scheduler gives between its signal and SIGKILL."""
+    global _left_together
+    _flush()
+    dist.barrier()
+    dist.destroy_process_group()
+    _left_together = True
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
 def exit_process(code: int) -> NoReturn:
     """Leave a process that ran a process group with ``code``, skipping the interpreter's finalization.
 
@@ -293,15 +313,14 @@ def exit_process(code: int) -> NoReturn:
     then. Nothing is lost by skipping finalization: the trainer closes its logs and checkpoints before it
     returns, and only stdio and logging handlers still buffer.
 
-    A rank other than 0 that fails waits ``FAILED_RANK_GRACE_S`` first. A failure found alike on every
-    rank (a config error, a damaged checkpoint) is printed by rank 0 only, and the ``deepspeed``
-    launcher kills the whole group the moment any rank exits non-zero: a rank 1 that left at once
-    could take rank 0 down before its one line was out, leaving an exit code 2 and no message.
+    A rank other than 0 that fails waits ``FAILED_RANK_GRACE_S`` first, unless the ranks left together
+    (``leave_together``). A failure found alike on every rank (a config error, a damaged checkpoint) is
+    printed by rank 0 only, and the ``deepspeed`` launcher kills the whole group the moment any rank exits
+    non-zero: a rank 1 that left at once could take rank 0 down before its one line was out, leaving an exit
+    code 2 and no message.
     """
-    if code != 0 and rank() != 0:
+    if code != 0 and rank() != 0 and not _left_together:
         time.sleep(FAILED_RANK_GRACE_S)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    _flush()
     logging.shutdown()
     os._exit(code)

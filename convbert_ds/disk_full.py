@@ -98,7 +98,8 @@ def why_no_directory(path) -> str | None:
     if not existing.is_dir():
         return f"cannot be made: {existing} is a file"
     if not os.access(existing, os.W_OK | os.X_OK):  # a read-only mount says so even to root
-        return f"cannot be written: {existing} is {'read-only' if _read_only(existing) else 'not writable by this user'}"
+        why = "read-only" if _read_only(existing) else "not writable by this user"
+        return f"cannot be written: {existing} is {why}"
     return None
 
 

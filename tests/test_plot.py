@@ -19,7 +19,8 @@ def test_a_torn_and_damaged_log_is_plotted_from_its_readable_rows(tmp_path, caps
     log = tmp_path / "metrics.jsonl"
     log.write_bytes(_rows(3).encode() + b'{"step": "x"}\n\xff\xfe not json\n' + _rows(5).encode()[-40:])
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
-    assert capsys.readouterr().err == f"warning: {log}: skipped 3 line(s) that are not metrics rows (line 4 and others)\n"
+    warned = f"warning: {log}: skipped 3 line(s) that are not metrics rows (line 4 and others)\n"
+    assert capsys.readouterr().err == warned
     assert exit_on_user_error(lambda: main([str(tmp_path)])) == 0
     assert capsys.readouterr().out == f"wrote {tmp_path / 'curves.png'}\n"
     assert (tmp_path / "curves.png").stat().st_size > 0

@@ -141,8 +141,9 @@ def test_a_set_written_without_spaces_or_with_a_misspelt_key_is_refused(shard_di
     from convbert_ds.formats.train_config import parse_overrides
 
     unspaced = parse_overrides([f"data.sets=[{{path:'{shard_dir}',weight:2.0}}]"])["data"]["sets"]
-    _expect(ValueError, r"data\.sets\[0\] has unknown key\(s\) \"path:.*\", 'weight:2\.0' \(YAML needs a space after each ':'\); "
-                        r"write it as \{path: SHARD_DIR, weight: 1\.0\}", unspaced)
+    _expect(ValueError, r"data\.sets\[0\] has unknown key\(s\) \"path:.*\", 'weight:2\.0' "
+                        r"\(YAML needs a space after each ':'\); write it as \{path: SHARD_DIR, weight: 1\.0\}",
+            unspaced)
     _expect(ValueError, r"data\.sets\[0\] has unknown key\(s\) 'wieght'; write it as",
             [{"path": shard_dir, "wieght": 2.0}])
 

@@ -453,8 +453,9 @@ def test_custom_empty_text_or_label(tmp_path, records, expected):
     assert_one_line(custom_error(tmp_path, path), f"--train {path}", expected)
 
 
-@pytest.mark.parametrize("name, text", [("train.csv", "text,label\nNaïve,1\n"),
-                                        ("train.jsonl", '{"text": "Fine.", "label": 0}\n{"text": "Naïve", "label": 1}\n')])
+@pytest.mark.parametrize("name, text", [
+    ("train.csv", "text,label\nNaïve,1\n"),
+    ("train.jsonl", '{"text": "Fine.", "label": 0}\n{"text": "Naïve", "label": 1}\n')])
 def test_a_custom_file_in_another_encoding_names_the_line(tmp_path, name, text):
     path = tmp_path / name
     path.write_bytes(text.encode("cp1252"))

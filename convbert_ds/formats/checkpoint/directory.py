@@ -90,7 +90,7 @@ def latest_complete(directory: Path) -> str | None:
     """The tag ``latest`` names if it is complete, else the newest complete tag."""
     pointer = directory / LATEST
     if pointer.is_file():
-        tag = pointer.read_text().strip()
+        tag = pointer.read_bytes().decode("utf-8", errors="replace").strip()  # damaged: the newest tag, below
         if _TAG.match(tag) and (directory / tag / COMPLETE).is_file():
             return tag
     tags = complete_tags(directory)

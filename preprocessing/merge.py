@@ -62,6 +62,10 @@ def merge_slices(slice_dirs: list[str], out: str | os.PathLike, copy: bool = Fal
         manifests.sort(key=lambda dm: dm[1]["slice"]["index"])
     elif any(s is not None for s in slices):
         raise PreprocessingError("mixing slice directories with whole-corpus shard directories")
+    elif len(manifests) > 1:  # the same inputs, tokenizer and settings, each whole: every document twice
+        raise PreprocessingError(f"{manifests[0][0]} and {manifests[1][0]} each hold the whole corpus (sharded "
+                                 "without --slice), so merging them would repeat every document; merge joins the "
+                                 "--slice i/N directories of one run (several corpora: list each in data.sets)")
 
     if root.is_dir():
         clear_output(root)  # only with overwrite: the manifest goes first, so a crash leaves no stale one

@@ -219,6 +219,9 @@ def test_slices_and_merge_equal_one_run(tmp_path, corpus, corpus_documents, toke
         shard_corpus(inputs, str(tokenizer_dir), slices[i], slice=f"{i}/3", **options)
     with pytest.raises(PreprocessingError, match="exactly once"):
         merge_slices(slices[:2], tmp_path / "partial")
+    with pytest.raises(PreprocessingError, match="each hold the whole corpus .* would repeat every document"):
+        merge_slices([str(tmp_path / "single"), str(tmp_path / "single")], tmp_path / "twice")
+    assert not (tmp_path / "twice").exists()
     merged = merge_slices([slices[1], slices[2], slices[0]], tmp_path / "merged")
     assert read_manifest(tmp_path / "merged") == merged
     for split in ("train", "valid"):

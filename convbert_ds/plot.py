@@ -14,6 +14,9 @@ from pathlib import Path
 
 from convbert_ds.cli import ArgumentParser, exit_on_user_error
 from convbert_ds.errors import UserError
+from convbert_ds.log import get_logger
+
+log = get_logger(__name__)
 
 PANELS = (("loss", "total loss"), ("mlm_loss", "generator MLM loss"), ("rtd_loss", "discriminator RTD loss"),
           ("rtd_accuracy", "RTD accuracy"))
@@ -36,8 +39,8 @@ def read_metrics(log_dir: Path) -> list[dict]:
         elif line.strip():
             skipped.append(number)
     if skipped:
-        print(f"warning: {path}: skipped {len(skipped)} line(s) that are not metrics rows (line {skipped[0]}"
-              f"{' and others' if len(skipped) > 1 else ''})", file=sys.stderr)
+        log.warning(f"warning: {path}: skipped {len(skipped)} line(s) that are not metrics rows (line {skipped[0]}"
+                    f"{' and others' if len(skipped) > 1 else ''})")
     if not rows:
         raise UserError(f"{path} holds no metrics rows: pass the log.dir of a run that has logged a step")
     return rows

@@ -123,7 +123,7 @@ def _run(job: Job) -> Outcome:
         try:
             run(RunSpec(_task(job.task), str(job.model), job.out, job.recipe, job.random_init, command))
         except UserError as error:
-            print(f"error: {error}")  # into the log, which the evaluation's last line points to
+            log.error(f"error: {error}")  # into the job's log.txt (stderr is redirected), which the last line names
             return Outcome(job, None, str(error))
         except Exception:  # noqa: BLE001 - the traceback goes to the job's log; the evaluation goes on
             traceback.print_exc()

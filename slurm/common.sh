@@ -192,6 +192,8 @@ cbd_check_nodes() {
   rm -rf "$probe"
   if [ -n "$missing" ] && [ -n "${CBD_CKPT_MIRROR:-}" ]; then
     # Node-local disks: each node uploads its own part of a checkpoint to the mirror (the trainer says so).
+    # The trainer takes this verdict at its first look instead of waiting again for late files.
+    export CONVBERT_DS_NODE_LOCAL_DIR=$CBD_CKPT_DIR
     cbd_log "nodes ok: $nodes node(s) x $procs process(es); $CBD_CKPT_DIR writable on each node, node-local" \
       "(not shared with$missing): checkpoints are whole in $CBD_CKPT_MIRROR"
     return

@@ -9,7 +9,10 @@ ranks of one node): node-local. A network filesystem may show another node's fil
 other than "shared" is taken only after looking again for ``SETTLE_S`` seconds (when a node-local verdict
 would stop the run, as long as the Slurm scripts' own check waits: ``CONVBERT_DS_SHARED_DISK_WAIT``, default
 30); one that is still neither is an error. A shared disk taken for node-local ones (files later than that)
-still checkpoints correctly with a mirror, only with every node uploading the same files.
+still checkpoints correctly with a mirror, only with every node uploading the same files. The Slurm scripts'
+own check has looked that long already when it exports ``NODE_LOCAL_VARIABLE`` (naming the directory it
+found node-local): a node-local verdict is then taken at the first look, and each attempt of a job on
+node-local disks starts ``SETTLE_S`` sooner.
 
 On node-local disks each node's first rank is its directory's keeper (what rank 0 does on a shared disk:
 removing interrupted saves, choosing and verifying the tag to resume, converting it to another layout,
@@ -34,6 +37,7 @@ from convbert_ds.errors import UserError
 from convbert_ds.log import get_logger
 
 SETTLE_S = 5.0
+NODE_LOCAL_VARIABLE = "CONVBERT_DS_NODE_LOCAL_DIR"  # set by slurm/common.sh's cbd_check_nodes
 log = get_logger(__name__)
 
 
@@ -68,6 +72,9 @@ def probe(directory: Path, mirror: str | None) -> CheckpointDisk:
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname().split(".")[0])
     settle = SETTLE_S if mirror else float(os.environ.get("CONVBERT_DS_SHARED_DISK_WAIT", "30"))
+    # The job script waited for the other nodes' files in this directory already and found it node-local.
+    said = os.environ.get(NODE_LOCAL_VARIABLE)
+    known_node_local = bool(mirror and said) and Path(said) == directory
     deadline = time.monotonic() + settle
     while True:
         dist.barrier()
@@ -80,7 +87,7 @@ def probe(directory: Path, mirror: str | None) -> CheckpointDisk:
             break
         blocks = _partition(views)
         # Every rank decides from the same gathered views and the same clock test on rank 0's time.
-        late = [time.monotonic() >= deadline]
+        late = [time.monotonic() >= deadline or (known_node_local and blocks is not None)]
         dist.broadcast_object_list(late, src=0)
         if late[0]:
             verdict = "node-local" if blocks else "neither"

@@ -317,9 +317,11 @@ def exit_process(code: int) -> NoReturn:
     (``leave_together``). A failure found alike on every rank (a config error, a damaged checkpoint) is
     printed by rank 0 only, and the ``deepspeed`` launcher kills the whole group the moment any rank exits
     non-zero: a rank 1 that left at once could take rank 0 down before its one line was out, leaving an exit
-    code 2 and no message.
+    code 2 and no message. A rank that lost a peer (``EXIT_PEER_LOST``) leaves at once: it has said its own
+    line, and while it waited, the ranks beside it, blocked on it in the next collective, waited too, and so
+    did the restart on the nodes left (10 s of each node loss, in ``tests/slurm/test_several_nodes.py``).
     """
-    if code != 0 and rank() != 0 and not _left_together:
+    if code not in (0, EXIT_PEER_LOST) and rank() != 0 and not _left_together:
         time.sleep(FAILED_RANK_GRACE_S)
     _flush()
     logging.shutdown()

@@ -13,6 +13,8 @@ import pytest
 from convbert_ds.engine.checkpoint_disk import NODE_LOCAL_VARIABLE, SETTLE_S
 from launch import REPO, env, run_group, spawn_ranks
 
+pytestmark = pytest.mark.slow  # ranks launched
+
 RANK_SCRIPT = """
 import json, sys, time
 from pathlib import Path

@@ -30,13 +30,15 @@ def read_metrics(log_dir: Path) -> list[dict]:
         raise UserError(f"{path} not found: pass the run's log.dir (it holds metrics.jsonl)")
     rows, skipped = [], []
     for number, line in enumerate(path.read_bytes().decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
         try:
-            row = json.loads(line) if line.strip() else {}
+            row = json.loads(line)
         except json.JSONDecodeError:
             row = None
         if isinstance(row, dict) and _number(row.get("step")):
             rows.append(row)
-        elif line.strip():
+        else:
             skipped.append(number)
     if skipped:
         log.warning(f"warning: {path}: skipped {len(skipped)} line(s) that are not metrics rows (line {skipped[0]}"

@@ -319,7 +319,7 @@ def exit_process(code: int) -> NoReturn:
     non-zero: a rank 1 that left at once could take rank 0 down before its one line was out, leaving an exit
     code 2 and no message. A rank that lost a peer (``EXIT_PEER_LOST``) leaves at once: it has said its own
     line, and while it waited, the ranks blocked on it in the next collective waited too, and so did the
-    restart on the nodes left (with a rank killed mid-save on 2 nodes x 2 ranks, the attempt ended 10 s later).
+    restart on the nodes left (benchmarks/RESULTS.md, ``row-node-local-start``).
     """
     if code not in (0, EXIT_PEER_LOST) and rank() != 0 and not _left_together:
         time.sleep(FAILED_RANK_GRACE_S)

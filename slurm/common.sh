@@ -14,6 +14,7 @@
 
 EXIT_PREEMPTED=3  # convbert_ds.train: checkpoint saved after SIGUSR1/SIGTERM
 EXIT_NOT_SAVED=4  # convbert_ds.train: the run's last save failed
+EXIT_PEER_LOST=5  # convbert_ds.train: a collective lost a peer (a process or a node of the run is gone)
 
 cbd_log() { echo "[$(date '+%F %T')] ${CBD_NAME:-convbert_ds}: $*"; }
 cbd_die() { echo "[$(date '+%F %T')] ${CBD_NAME:-convbert_ds}: error: $*" >&2; cbd_close_log; exit 2; }
@@ -237,13 +238,26 @@ cbd_run() {
 
 # After a training step that failed: whether Slurm took nodes out of this job because they stopped
 # answering (with --no-kill a dead node is excised from the allocation after SlurmdTimeout and the job
-# goes on). Waits while a node of the job is "not responding", up to CONVBERT_DS_NODE_LOSS_WAIT seconds
-# (default 120). Returns 0 when nodes were lost and at least one is left, with CBD_LOST (the lost nodes)
-# set and SLURM_JOB_NODELIST and friends updated for the next srun.
+# goes on). Slurm pings a node every SlurmdTimeout/3, shows it "not responding" after a missed ping and
+# takes it out SlurmdTimeout after its last answer. Trainers that lost a peer exit with EXIT_PEER_LOST:
+# then a node may have died, and the script looks for a silent one for a whole SlurmdTimeout (srun may
+# have ended the step, --wait=60, before Slurm's first missed ping: its default SlurmdTimeout is 300);
+# after any other failure, for 5 s. It then waits while a node of the job is silent, up to
+# CONVBERT_DS_NODE_LOSS_WAIT seconds (default twice SlurmdTimeout, at least 120). Returns 0 when nodes
+# were lost and at least one is left, with CBD_LOST (the lost nodes) set and SLURM_JOB_NODELIST and
+# friends updated for the next srun.
 cbd_nodes_lost() {
-  local waited=0 patience=${CONVBERT_DS_NODE_LOSS_WAIT:-120} before now node silent
+  local waited=0 look=5 timeout patience before now node silent told=""
   case "$CBD_STATUS" in 0 | "$EXIT_PREEMPTED" | "$EXIT_NOT_SAVED" | 2) return 1 ;; esac
   [ -z "$CBD_SIGNAL" ] || return 1
+  timeout=$(scontrol show config | sed -n 's/^SlurmdTimeout *= *\([0-9][0-9]*\).*/\1/p')
+  timeout=${timeout:-300}
+  patience=${CONVBERT_DS_NODE_LOSS_WAIT:-$((2 * timeout > 120 ? 2 * timeout : 120))}
+  if [ "$CBD_STATUS" = "$EXIT_PEER_LOST" ]; then
+    look=$timeout
+    cbd_log "a trainer lost a peer (exit status $EXIT_PEER_LOST): looking for a node of the job that stopped" \
+      "answering (up to SlurmdTimeout, $timeout s)"
+  fi
   before=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
   while :; do
     now=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *NodeList=\([^ ]*\).*/\1/p' | head -n 1)
@@ -255,8 +269,15 @@ cbd_nodes_lost() {
     for node in $before; do
       grep -qx "$node" < <(scontrol show hostnames "$now") || CBD_LOST="$CBD_LOST $node"
     done
-    [ -n "$silent" ] || [ -n "$CBD_LOST" ] || [ "$waited" -ge 5 ] || { sleep 1; waited=$((waited + 1)); continue; }
-    [ -n "$silent" ] && [ "$waited" -lt "$patience" ] && { sleep 1; waited=$((waited + 1)); continue; }
+    [ -n "$silent" ] || [ -n "$CBD_LOST" ] || [ "$waited" -ge "$look" ] || { sleep 1; waited=$((waited + 1)); continue; }
+    if [ -n "$silent" ] && [ "$waited" -lt "$patience" ]; then
+      [ -n "$told" ] || cbd_log "node(s)$silent not answering; waiting up to $patience s" \
+        "(CONVBERT_DS_NODE_LOSS_WAIT) for Slurm to take them out of the job"
+      told=1
+      sleep 1
+      waited=$((waited + 1))
+      continue
+    fi
     break
   done
   [ -n "$CBD_LOST" ] && [ -n "$now" ] || return 1

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from launch import FAULTY_TRAIN, NOT_THE_SUBJECT, REPO, check, run_training, train_metrics
-from slurm_cluster import SlurmCluster
+from slurm_cluster import SLURMD_TIMEOUT, SlurmCluster
 from test_slurm import (expect_completed, job_env, job_log, preempt, sbatch, submit, train_args, train_rows,
                         wait_for)
 
@@ -181,8 +181,10 @@ def test_a_lost_node_the_run_goes_on_with_the_nodes_left_then_grows_back(cluster
     wait_for(lambda: train_rows(run) and train_rows(run)[-1]["step"] >= 10, 240, "training did not reach step 10")
     top, killed = train_rows(run)[-1]["step"], time.time()
     cluster.kill_node("n2")
-    # n2 stays dead until Slurm has taken it out of the job (back sooner, it would be a node that never left).
-    wait_for(lambda: "node(s) n2 lost; resuming" in job_log(tmp_path, job), 300, "the run did not restart without n2")
+    # n2 stays dead until Slurm has taken it out of the job (back sooner, it would be a node that never left):
+    # about SlurmdTimeout plus a third of it.
+    wait_for(lambda: "node(s) n2 lost; resuming" in job_log(tmp_path, job), 240 + 2 * SLURMD_TIMEOUT,
+             "the run did not restart without n2")
     cluster.start_node("n2")
     # A step or two may still be logged after the kill, and the restart removes them: top + 3 is the restart's.
     preempt(cluster, tmp_path, job, top + 3, "--signal=USR1", "--batch")
@@ -191,6 +193,10 @@ def test_a_lost_node_the_run_goes_on_with_the_nodes_left_then_grows_back(cluster
     assert "attempt 1 on 2 node(s) (n[1-2])" in log and "launcher=slurm world_size=4" in log, log[-6000:]
     assert log.count("lost its connection to another rank") == 2, log[-6000:]  # ranks 0 and 1, one line each
     assert "error: rank 0 lost its connection to another rank" in log and "Traceback" not in log, log[-6000:]
+    # Exit code 5 makes the script look for a silent node for a whole SlurmdTimeout: with Slurm's default (300 s)
+    # srun has ended the step (--wait=60) before n2 shows as not answering.
+    assert ("a trainer lost a peer (exit status 5): looking for a node of the job that stopped answering (up to "
+            f"SlurmdTimeout, {SLURMD_TIMEOUT} s)") in log, log[-6000:]
     assert "node(s) n2 lost; resuming on 1 node(s) x 2 process(es) (n1)" in log, log[-6000:]
     assert "launcher=slurm world_size=2" in log and "grad_accum=2" in log
     assert re.search(r"(steps \d+-\d+ were|step \d+ was) trained before this restart and (are|is) trained again", log)

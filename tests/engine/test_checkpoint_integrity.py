@@ -255,7 +255,7 @@ def test_a_full_filesystem(tiny_corpus, tmp_path):
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
-        result = run_training(tmp_path, tiny_corpus["shards"], *COMMON, "train.steps=4")
+        result = run_training(tmp_path, tiny_corpus["shards"], *COMMON, "train.steps=4", launcher=NOT_THE_SUBJECT)
         output = result.stdout + result.stderr
         assert result.returncode != 0
         line = _final_line(output)

@@ -125,7 +125,8 @@ def test_nonfinite_losses_stop_the_run_before_a_checkpoint_holds_them(check_inte
     finite, so checkpoints may be saved) and 3 in a row stop it."""
     result = run_training(tmp_path, tiny_corpus["shards"], "train.precision=fp32", "train.lr=1.0e+30",
                           "train.warmup_steps=0", "train.steps=20", "checkpoint.interval=4", "eval.interval=0",
-                          f"train.nonfinite_check_interval={check_interval}", "train.max_nonfinite_in_a_row=3")
+                          f"train.nonfinite_check_interval={check_interval}", "train.max_nonfinite_in_a_row=3",
+                          launcher=NOT_THE_SUBJECT)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
     if check_interval == 1:

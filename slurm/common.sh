@@ -269,7 +269,11 @@ cbd_nodes_lost() {
     for node in $before; do
       grep -qx "$node" < <(scontrol show hostnames "$now") || CBD_LOST="$CBD_LOST $node"
     done
-    [ -n "$silent" ] || [ -n "$CBD_LOST" ] || [ "$waited" -ge "$look" ] || { sleep 1; waited=$((waited + 1)); continue; }
+    if [ -z "$silent" ] && [ -z "$CBD_LOST" ] && [ "$waited" -lt "$look" ]; then
+      sleep 1
+      waited=$((waited + 1))
+      continue
+    fi
     if [ -n "$silent" ] && [ "$waited" -lt "$patience" ]; then
       [ -n "$told" ] || cbd_log "node(s)$silent not answering; waiting up to $patience s" \
         "(CONVBERT_DS_NODE_LOSS_WAIT) for Slurm to take them out of the job"

@@ -1,15 +1,18 @@
 """The architecture contract: layers that import only downwards (import-linter, configured in pyproject.toml),
-no import cycle, no hidden project import inside a function, no file over 500 lines."""
+no import cycle, no hidden project import inside a function, no file over 500 lines; the job scripts' copies of
+the trainer's exit codes equal to it."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import grimp
 
+from convbert_ds.engine import checkpoint, distributed, step_guard
 from launch import REPO, env
 
 PACKAGES = ("convbert_ds", "preprocessing")
@@ -66,3 +69,11 @@ def test_no_file_over_500_lines():
     long = [f"{path.relative_to(REPO)}: {n}" for path in _python_files(*PACKAGES, "tests", "benchmarks")
             if (n := len(path.read_text().splitlines())) > MAX_LINES]
     assert not long, f"files over {MAX_LINES} lines (split them by responsibility): {long}"
+
+
+def test_the_job_scripts_exit_codes_are_the_trainers():
+    """``slurm/common.sh`` acts on the trainer's exit codes (requeue, not requeue, look for a lost node); a shell
+    script cannot import them, so its copies are held equal here."""
+    shell = dict(re.findall(r"^(EXIT_\w+)=(\d+)", (REPO / "slurm" / "common.sh").read_text(), re.M))
+    assert shell == {"EXIT_PREEMPTED": str(step_guard.EXIT_PREEMPTED), "EXIT_NOT_SAVED": str(checkpoint.EXIT_NOT_SAVED),
+                     "EXIT_PEER_LOST": str(distributed.EXIT_PEER_LOST)}

@@ -11,8 +11,8 @@ root): its own hostname, its own ``/etc/hosts`` naming every node at 127.0.0.1 (
 resolves inside a job), and its own node-local disk: ``cluster.scratch`` is one path on every node, bind-mounted
 from ``disks/nK``, so a file a job writes there on n2 is not visible on n1 (``cluster.disk("n2")`` is where the
 test reads it). Everything else (the test's temporary directories) is the shared disk. ``kill_node`` kills every
-process of a node's namespaces, as a dead machine would; Slurm marks the node down after ``SlurmdTimeout``
-and requeues its jobs for node failure; ``start_node`` brings it back.
+process of a node's namespaces, as a dead machine would (or, with ``hang``, stops them); Slurm marks the node
+down after ``SlurmdTimeout`` and requeues its jobs for node failure; ``start_node`` brings it back.
 
 Stopping cancels every job, waits for the queue to drain, stops both daemons, and finally
 kills, by pid, any process still carrying this cluster's marker variable in its environment
@@ -211,6 +211,8 @@ PartitionName=ci Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State
 
     def start_node(self, node: str, wait: bool = True, timeout: float = 60) -> None:
         """Start (or restart) node ``node``'s slurmd in namespaces of its own (see the module docstring)."""
+        if node in self.processes:  # hung (kill_node with hang): its stopped processes go first, as at a reboot
+            self.kill_node(node)
         inside = (f"hostname {node} && mount --bind {self.disk(node)} {self.scratch} && "
                   f"mount --bind {self.root / 'hosts'} /etc/hosts && "
                   f"exec {find_daemon('slurmd')} -D -f {self.conf} -N {node}")
@@ -219,22 +221,25 @@ PartitionName=ci Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State
             self._wait(lambda: self._answering(node), timeout,
                        f"node {node} did not come back (state {self.node_state(node)!r})")
 
-    def kill_node(self, node: str) -> list[int]:
+    def kill_node(self, node: str, hang: bool = False) -> list[int]:
         """Kill every process of node ``node`` (its slurmd, its job steps, their children) at once, as a
-        machine that dies would leave them; returns their pids."""
-        process = self.processes.pop(node)
+        machine that dies would leave them; with ``hang``, stop them (SIGSTOP) instead, as a machine that hangs
+        or drops off the network leaves them: their connections stay open and nothing answers on them
+        (``start_node`` kills them first). Returns their pids."""
+        process = self.processes[node] if hang else self.processes.pop(node)
         namespace = os.readlink(f"/proc/{process.pid}/ns/uts")
         killed = []
         for _ in range(3):  # a process forked while we were killing is caught by the next pass
             for entry in Path("/proc").iterdir():
                 try:
                     if entry.name.isdigit() and os.readlink(entry / "ns" / "uts") == namespace:
-                        os.kill(int(entry.name), signal.SIGKILL)
+                        os.kill(int(entry.name), signal.SIGSTOP if hang else signal.SIGKILL)
                         killed.append(int(entry.name))
                 except OSError:
                     continue
             time.sleep(0.2)
-        process.wait()
+        if not hang:
+            process.wait()
         return sorted(set(killed))
 
     def node_state(self, node: str) -> str:

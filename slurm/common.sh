@@ -247,16 +247,16 @@ cbd_run() {
 # were lost and at least one is left, with CBD_LOST (the lost nodes) set and SLURM_JOB_NODELIST and
 # friends updated for the next srun.
 cbd_nodes_lost() {
-  local waited=0 look=5 timeout patience before now node silent told=""
+  local waited=0 look=5 slurmd_timeout patience before now node silent told=""
   case "$CBD_STATUS" in 0 | "$EXIT_PREEMPTED" | "$EXIT_NOT_SAVED" | 2) return 1 ;; esac
   [ -z "$CBD_SIGNAL" ] || return 1
-  timeout=$(scontrol show config | sed -n 's/^SlurmdTimeout *= *\([0-9][0-9]*\).*/\1/p')
-  timeout=${timeout:-300}
-  patience=${CONVBERT_DS_NODE_LOSS_WAIT:-$((2 * timeout > 120 ? 2 * timeout : 120))}
+  slurmd_timeout=$(scontrol show config | sed -n 's/^SlurmdTimeout *= *\([0-9][0-9]*\).*/\1/p')
+  slurmd_timeout=${slurmd_timeout:-300}
+  patience=${CONVBERT_DS_NODE_LOSS_WAIT:-$((2 * slurmd_timeout > 120 ? 2 * slurmd_timeout : 120))}
   if [ "$CBD_STATUS" = "$EXIT_PEER_LOST" ]; then
-    look=$timeout
+    look=$slurmd_timeout
     cbd_log "a trainer lost a peer (exit status $EXIT_PEER_LOST): looking for a node of the job that stopped" \
-      "answering (up to SlurmdTimeout, $timeout s)"
+      "answering (up to SlurmdTimeout, $slurmd_timeout s)"
   fi
   before=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
   while :; do
@@ -269,20 +269,15 @@ cbd_nodes_lost() {
     for node in $before; do
       grep -qx "$node" < <(scontrol show hostnames "$now") || CBD_LOST="$CBD_LOST $node"
     done
-    if [ -z "$silent" ] && [ -z "$CBD_LOST" ] && [ "$waited" -lt "$look" ]; then
-      sleep 1
-      waited=$((waited + 1))
-      continue
-    fi
     if [ -n "$silent" ] && [ "$waited" -lt "$patience" ]; then
       [ -n "$told" ] || cbd_log "node(s)$silent not answering; waiting up to $patience s" \
         "(CONVBERT_DS_NODE_LOSS_WAIT) for Slurm to take them out of the job"
       told=1
-      sleep 1
-      waited=$((waited + 1))
-      continue
+    elif [ -n "$silent" ] || [ -n "$CBD_LOST" ] || [ "$waited" -ge "$look" ]; then
+      break
     fi
-    break
+    sleep 1
+    waited=$((waited + 1))
   done
   [ -n "$CBD_LOST" ] && [ -n "$now" ] || return 1
   local count

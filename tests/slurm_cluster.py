@@ -211,7 +211,7 @@ PartitionName=ci Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State
 
     def start_node(self, node: str, wait: bool = True, timeout: float = 60) -> None:
         """Start (or restart) node ``node``'s slurmd in namespaces of its own (see the module docstring)."""
-        if node in self.processes:  # hung (kill_node with hang): its stopped processes go first, as at a reboot
+        if node in self.processes:  # still there (hung by kill_node, or running): its processes go first
             self.kill_node(node)
         inside = (f"hostname {node} && mount --bind {self.disk(node)} {self.scratch} && "
                   f"mount --bind {self.root / 'hosts'} /etc/hosts && "

@@ -58,8 +58,13 @@ def test_the_timed_steps_follow_the_ready_file_and_wait_for_the_go_file(tmp_path
     ready, go = tmp_path / "ready", tmp_path / "go"
     seen = []  # per step: (ready file there, go file there, when)
     row = Row("stand-in", lambda batch: seen.append((ready.exists(), go.exists(), time.monotonic())), lambda: None)
-    threading.Timer(0.5, lambda: go.write_text("go\n")).start()
-    started = time.monotonic()
+    written = []  # when the go file was written: the timer's own clock (its thread may start before ours reads)
+
+    def write_go():
+        written.append(time.monotonic())  # before the file, so no step that sees the file can precede it
+        go.write_text("go\n")
+
+    threading.Timer(0.5, write_go).start()
     times = time_rows([row], iter(range(10)), steps=3, cuda=False, warmup=2, ready_file=ready, go_file=go)
     assert [(r, g) for r, g, _ in seen] == [(False, False)] * 2 + [(True, True)] * 3, seen
-    assert seen[2][2] - started >= 0.5 and len(times["stand-in"]) == 3
+    assert written[0] <= seen[2][2] and len(times["stand-in"]) == 3, (seen, written)

@@ -247,7 +247,7 @@ cbd_run() {
 # were lost and at least one is left, with CBD_LOST (the lost nodes) set and SLURM_JOB_NODELIST and
 # friends updated for the next srun.
 cbd_nodes_lost() {
-  local waited=0 look=5 slurmd_timeout patience before now node silent told=""
+  local waited=0 look=5 slurmd_timeout patience before now now_hosts node state silent told=""
   case "$CBD_STATUS" in 0 | "$EXIT_PREEMPTED" | "$EXIT_NOT_SAVED" | 2) return 1 ;; esac
   [ -z "$CBD_SIGNAL" ] || return 1
   slurmd_timeout=$(scontrol show config | sed -n 's/^SlurmdTimeout *= *\([0-9][0-9]*\).*/\1/p')
@@ -260,14 +260,16 @@ cbd_nodes_lost() {
   fi
   before=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
   while :; do
+    # One scontrol and one sinfo a second, whatever the job's size: slurmctld answers every other job too.
     now=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *NodeList=\([^ ]*\).*/\1/p' | head -n 1)
+    now_hosts=$(scontrol show hostnames "$now")
     silent=""
-    for node in $(scontrol show hostnames "$now"); do
-      case "$(sinfo -h -N -n "$node" -o %T | head -n 1)" in *'*'*) silent="$silent $node" ;; esac
-    done
+    while read -r node state; do  # "n2 allocated*": the * is Slurm's "not responding"
+      case "$state" in *'*'*) [[ " $silent " == *" $node "* ]] || silent="$silent $node" ;; esac
+    done < <([ -z "$now" ] || sinfo -h -N -n "$now" -o '%N %T')
     CBD_LOST=""
     for node in $before; do
-      grep -qx "$node" < <(scontrol show hostnames "$now") || CBD_LOST="$CBD_LOST $node"
+      grep -qx "$node" <<< "$now_hosts" || CBD_LOST="$CBD_LOST $node"
     done
     if [ -n "$silent" ] && [ "$waited" -lt "$patience" ]; then
       [ -n "$told" ] || cbd_log "node(s)$silent not answering; waiting up to $patience s" \
